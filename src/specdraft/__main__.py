@@ -1,0 +1,5 @@
+import sys
+
+from specdraft.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,197 @@
+"""`specdraft generate`: text in, text out, with or without a drafter."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+
+DRAFTER_KINDS = ("auto", "none", "mtp", "ngram", "draft-model")
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model/--dtype/--device, shared by every subcommand that loads a target."""
+    from specdraft.loading.presets import DEFAULT_MODEL
+
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"preset name (see `specdraft models`), a Hugging Face folder (config.json + "
+                        f"*.safetensors + tokenizer.json) or a .gguf file (default: {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="weights and activations; auto = bfloat16 on CUDA or on CPUs with AMX/AVX512-BF16, "
+                        "else float32 (float32 is the exactness reference)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (auto = cuda when available)")
+
+
+def add_drafter_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default="auto", choices=DRAFTER_KINDS,
+                   help="auto: the drafter shipped for this model if there is one, else none; "
+                        "mtp: a Gemma-4-style MTP drafter from --drafter-path; ngram: prompt lookup "
+                        "(no weights); draft-model: a small model sharing the tokenizer, from --drafter-path; "
+                        "none: plain decoding")
+    p.add_argument("--drafter-path", default=None,
+                   help="mtp: drafter folder (config.json + model.safetensors); draft-model: a model "
+                        "name or path as for --model")
+    p.add_argument("--draft-tokens", type=int, default=None,
+                   help="tokens drafted per round, K (default: the drafter's recommended K, else 4)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate text, optionally with speculative decoding",
+        description="Generate text from a prompt (or a file of prompts). Output is exactly the target "
+                    "model's: greedy text is identical with and without a drafter, sampled text follows "
+                    "the same distribution. Text streams to stdout; a one-line speed summary goes to stderr.",
+    )
+    p.add_argument("prompt", nargs="?", help="the prompt; '-' reads it from stdin")
+    add_model_args(p)
+    add_drafter_args(p)
+    add_sampling_args(p)
+    p.add_argument("--stop", action="append", default=[], help="stop when this string appears (repeatable)")
+    p.add_argument("--prompts-file", type=Path,
+                   help="one prompt per line, or JSONL with a \"prompt\" field (Spec-Bench files: first turn)")
+    p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each prompt in the model's chat template (a model without one gets plain text)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt per line (no streaming)")
+    p.set_defaults(run=run)
+
+
+def read_prompts(path: Path) -> list[str]:
+    """Prompts from a text file (one per line) or JSONL ("prompt", or Spec-Bench "turns")."""
+    try:
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise SpecdraftError(f"prompts file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecdraftError(f"cannot read prompts file {path}: {e}") from None
+    if not lines:
+        raise SpecdraftError(f"prompts file {path} is empty")
+    if path.suffix != ".jsonl" and not lines[0].lstrip().startswith("{"):
+        return lines
+    prompts = []
+    for n, line in enumerate(lines, 1):
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SpecdraftError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+            prompts.append(obj["prompt"])
+        elif isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"]:
+            prompts.append(str(obj["turns"][0]))
+        else:
+            raise SpecdraftError(f"{path}:{n}: expected an object with a \"prompt\" string")
+    return prompts
+
+
+def collect_prompts(args) -> list[str]:
+    if args.prompts_file and args.prompt:
+        raise SpecdraftError("give a PROMPT or --prompts-file, not both")
+    if args.prompts_file:
+        return read_prompts(args.prompts_file)
+    if args.prompt == "-":
+        return [sys.stdin.read()]
+    if args.prompt is None:
+        raise SpecdraftError("no prompt: give PROMPT, '-' for stdin, or --prompts-file FILE")
+    return [args.prompt]
+
+
+def summary_line(result_stats, seconds: float, drafter: str, k: int) -> str:
+    s = result_stats
+    rate = s.new_tokens / seconds if seconds > 0 else 0.0
+    line = f"[specdraft] {s.new_tokens} tokens in {seconds:.2f} s ({rate:.1f} tok/s)"
+    if drafter == "none":
+        return line + " | plain decoding"
+    acc = " ".join("-" if a is None else f"{a:.2f}" for a in s.acceptance_by_position)
+    return line + f" | drafter {drafter} K={k} | tau {s.mean_accepted:.2f} | acceptance by position {acc}"
+
+
+def run(args) -> int:
+    from specdraft.drafters import load_drafter
+    from specdraft.runtime import Runtime
+    from specdraft.sampling import SamplingParams
+    from specdraft.speculative.stats import merge
+
+    if args.batch_size < 1:
+        raise SpecdraftError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_new_tokens < 1:
+        raise SpecdraftError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    prompts = collect_prompts(args)
+    rt = Runtime.load(args.model, args.dtype, args.device)
+    drafter, kind, k = load_drafter(rt, args.drafter, args.drafter_path, args.draft_tokens)
+    engine = rt.engine(drafter, k)
+    if args.chat and rt.tokenizer.chat_template is None:
+        print(f"specdraft: note: {args.model} has no chat template; using plain text", file=sys.stderr)
+    chat = args.chat and rt.tokenizer.chat_template is not None
+    stream = not args.json and args.batch_size == 1
+    all_stats = []
+    for start in range(0, len(prompts), args.batch_size):
+        batch = prompts[start : start + args.batch_size]
+        ids = [rt.tokenizer.encode_prompt(p, chat) for p in batch]
+        on_tokens = _streamer(rt.tokenizer) if stream else None
+        t0 = time.perf_counter()
+        results = engine.generate(ids, args.max_new_tokens, sampling, tuple(args.stop), on_tokens=on_tokens)
+        for prompt, r in zip(batch, results):
+            all_stats.append(r.stats)
+            if args.json:
+                print(json.dumps(_record(prompt, r, rt, kind, k)), flush=True)
+            elif stream:
+                print(flush=True)
+                print(summary_line(r.stats, r.seconds, kind, k), file=sys.stderr)
+            else:
+                print(f"=== prompt {start + batch.index(prompt) + 1} ===\n{r.text}", flush=True)
+        if not args.json and not stream:
+            total = merge([r.stats for r in results])
+            print(summary_line(total, time.perf_counter() - t0, kind, k), file=sys.stderr)
+    return 0
+
+
+def _streamer(tokenizer):
+    from specdraft.tokenizer import StreamDecoder
+
+    decoder = StreamDecoder(tokenizer)
+
+    def on_tokens(row: int, ids: list[int]) -> None:
+        sys.stdout.write(decoder.push(ids))
+        sys.stdout.flush()
+
+    return on_tokens
+
+
+def _record(prompt: str, r, rt, kind: str, k: int) -> dict:
+    s = r.stats
+    return {
+        "prompt": prompt,
+        "text": r.text,
+        "token_ids": r.token_ids,
+        "new_tokens": s.new_tokens,
+        "seconds": round(r.seconds, 4),
+        "tokens_per_second": round(s.new_tokens / r.seconds, 2) if r.seconds > 0 else None,
+        "finish_reason": r.finish_reason,
+        "model": rt.name,
+        "dtype": rt.dtype_name,
+        "device": str(rt.device),
+        "drafter": kind,
+        "draft_tokens": k,
+        "mean_accepted": round(s.mean_accepted, 4),
+        "acceptance_by_position": [None if a is None else round(a, 4) for a in s.acceptance_by_position],
+        "target_forwards": s.target_forwards,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "time_split": {name: round(t, 4) for name, t in s.times.items()},
+        "ttft": round(r.ttft, 4),
+    }

@@ -1,0 +1,55 @@
+"""What every drafter sees and returns.
+
+The engine owns the target's KV cache and the token history; a drafter reads them and
+proposes up to K tokens per row. Drafters that sample must return the exact distribution each
+draft was drawn from (rejection sampling needs it); argmax drafters return none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdraft.kv_cache import KVCache
+from specdraft.sampling import SamplingParams
+
+
+@dataclass
+class DraftInput:
+    """The engine's state for every row at the start of a round.
+
+    The target cache holds positions 0..p (p = `position`); `last_token` (b) was emitted from
+    the target's logits at p and is not in the cache yet; `hidden` is the target's final-normed
+    hidden state at p. `tokens[:, :p + 2]` is the row's whole sequence so far, b included.
+    """
+
+    last_token: torch.Tensor  # [B]
+    hidden: torch.Tensor  # [B, H]
+    position: torch.Tensor  # [B]
+    cache: KVCache
+    tokens: torch.Tensor  # [B, capacity]
+    active: torch.Tensor  # [B] bool: rows still generating
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [B, K']
+    num_valid: torch.Tensor  # [B]: drafts past this per row are filler, never accepted
+    probs: torch.Tensor | None = None  # [B, K', V]: the distribution each draft was sampled from
+
+
+class Drafter:
+    """Base class. `propose` is the only required method."""
+
+    kind: str = "none"
+
+    def prepare(self, batch_size: int, capacity: int) -> None:
+        """Called once per batch before the first round (allocate per-batch state here)."""
+
+    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+        raise NotImplementedError
+
+    def nbytes(self) -> int:
+        """Memory the drafter adds (parameters and buffers), for honest overhead reports."""
+        return 0

@@ -1,0 +1,140 @@
+"""Loading and saving MTP drafters (Gemma 4 assistant layout), checked against their target."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from specdraft.config import FULL, SLIDING
+from specdraft.drafters.mtp.config import MTPConfig
+from specdraft.drafters.mtp.drafter import MTPDrafter
+from specdraft.drafters.mtp.network import MTPNetwork
+from specdraft.errors import SpecdraftError
+from specdraft.kv_cache import KVSource
+from specdraft.loading.weights import read_safetensors, safetensors_files
+
+
+def kv_sources(cfg: MTPConfig, target: torch.nn.Module) -> list[KVSource]:
+    """The target layer each drafter layer reads, after checking the drafter fits it.
+
+    Mismatches are refused by name: a drafter trained for another target would otherwise run
+    and silently draft garbage (still lossless, but slow).
+    """
+    tc = target.config
+    problems = []
+    if cfg.backbone_hidden_size != tc.hidden_size:
+        problems.append(f"backbone_hidden_size {cfg.backbone_hidden_size} != target hidden size {tc.hidden_size}")
+    if cfg.vocab_size != tc.vocab_size:
+        problems.append(f"vocabulary {cfg.vocab_size} != target vocabulary {tc.vocab_size}")
+    sources = []
+    for i, layer_type in enumerate(cfg.layer_types):
+        src = target.drafter_source(layer_type)
+        sources.append(src)
+        wanted = layer_type if layer_type in (SLIDING, FULL) else FULL
+        if cfg.head_dim[wanted] != src.head_dim:
+            problems.append(f"layer {i} ({layer_type}) head_dim {cfg.head_dim[wanted]} != target layer "
+                            f"{src.layer} head_dim {src.head_dim}")
+        if cfg.num_kv_heads[wanted] != src.num_kv_heads:
+            problems.append(f"layer {i} ({layer_type}) KV heads {cfg.num_kv_heads[wanted]} != target layer "
+                            f"{src.layer} KV heads {src.num_kv_heads}")
+        if cfg.num_heads % src.num_kv_heads:
+            problems.append(f"{cfg.num_heads} query heads are not a multiple of the target's {src.num_kv_heads} KV heads")
+    if problems:
+        raise SpecdraftError("drafter does not fit this target: " + "; ".join(dict.fromkeys(problems)))
+    return sources
+
+
+def read_drafter_config(folder: Path) -> MTPConfig:
+    path = folder / "config.json"
+    if not path.exists():
+        raise SpecdraftError(f"{folder}: no config.json (expected an MTP drafter folder)")
+    try:
+        return MTPConfig.from_dict(json.loads(path.read_text()))
+    except json.JSONDecodeError as e:
+        raise SpecdraftError(f"{path}: invalid JSON ({e})") from None
+
+
+def load_network(folder: Path, target: torch.nn.Module, dtype: torch.dtype, device) -> tuple[MTPNetwork, list[KVSource]]:
+    cfg = read_drafter_config(folder)
+    sources = kv_sources(cfg, target)
+    state = read_safetensors(safetensors_files(folder))
+    state.pop("lm_head.weight", None)  # tied to model.embed_tokens
+    with torch.device("meta"):
+        net = MTPNetwork(cfg)
+    expected = dict(net.named_parameters()) | dict(net.named_buffers())
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise SpecdraftError(f"{folder}: drafter weights do not match its config.json "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    for name, t in expected.items():
+        if tuple(state[name].shape) != tuple(t.shape):
+            raise SpecdraftError(f"{folder}: tensor {name} has shape {tuple(state[name].shape)}, config implies {tuple(t.shape)}")
+    converted = {n: (v.to(device) if not v.is_floating_point() else v.to(device=device, dtype=dtype)) for n, v in state.items()}
+    net.load_state_dict(converted, strict=True, assign=True)
+    if net.masked_embedding is not None:
+        order = net.masked_embedding.token_ordering
+        if not torch.equal(torch.sort(order.cpu()).values, torch.arange(cfg.vocab_size)):
+            raise SpecdraftError(f"{folder}: token_ordering is not a permutation of the vocabulary")
+    return net.eval().requires_grad_(False), sources
+
+
+def load_mtp_drafter(folder: Path, target: torch.nn.Module, dtype: torch.dtype, device) -> MTPDrafter:
+    if not folder.is_dir():
+        raise SpecdraftError(f"drafter path {folder} is not a folder")
+    net, sources = load_network(folder, target, dtype, device)
+    return MTPDrafter(net, target, sources)
+
+
+def save_network(net: MTPNetwork, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(net.config.to_dict(), indent=2) + "\n")
+    state = {n: t.detach().contiguous().cpu() for n, t in net.state_dict().items()}
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def drafter_config_for(target: torch.nn.Module, hidden: int = 256, layers: int = 2, heads: int = 4,
+                       intermediate: int | None = None, layer_types: list[str] | None = None,
+                       head: str = "own", clustered: bool = False, num_centroids: int | None = None,
+                       top_k_clusters: int = 32, recommended_k: int | None = None) -> MTPConfig:
+    """A drafter config whose q-path fits `target` (head dims, KV heads from the layers it reads)."""
+    tc = target.config
+    if layer_types is None:
+        # Gemma 4 pattern: sliding layers first, a full layer last (all full for all-full targets).
+        has_sliding = SLIDING in tc.layer_types
+        layer_types = [SLIDING] * (layers - 1) + [FULL] if has_sliding else [FULL] * layers
+    head_dim, kv = {}, {}
+    for t in (SLIDING, FULL):
+        src = target.drafter_source(t)
+        head_dim[t], kv[t] = src.head_dim, src.num_kv_heads
+    if heads % kv[FULL] or heads % kv[SLIDING]:
+        raise SpecdraftError(f"drafter heads ({heads}) must be a multiple of the target's KV heads")
+    if clustered and num_centroids is None:
+        num_centroids = tc.vocab_size // 128 if tc.vocab_size % 128 == 0 else None
+        if num_centroids is None:
+            raise SpecdraftError(f"vocabulary {tc.vocab_size} is not a multiple of 128; pass --clusters C dividing it")
+    return MTPConfig(
+        backbone_hidden_size=tc.hidden_size, hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
+        layer_types=layer_types, num_heads=heads, head_dim=head_dim, num_kv_heads=kv, vocab_size=tc.vocab_size,
+        rms_norm_eps=tc.rms_norm_eps, clustered=clustered, num_centroids=num_centroids or 1,
+        top_k_clusters=top_k_clusters, head=head, q_norm=target.drafter_source(FULL).q_norm,
+        recommended_k=recommended_k,
+    )
+
+
+def init_network(cfg: MTPConfig, target: torch.nn.Module, seed: int = 0, std: float = 0.02) -> MTPNetwork:
+    """Random weights (float32, CPU): the starting point of training, and a worst-case drafter for tests."""
+    gen = torch.Generator().manual_seed(seed)
+    net = MTPNetwork(cfg)
+    for name, p in net.named_parameters():
+        if name.endswith("norm.weight"):
+            continue  # ones
+        with torch.no_grad():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    if net.masked_embedding is not None:
+        order = torch.randperm(cfg.vocab_size, generator=gen)
+        net.masked_embedding.token_ordering.copy_(order)
+    return net

@@ -1,0 +1,122 @@
+"""MTP drafter configuration, stored as a Gemma 4 assistant config.json.
+
+Official `*-it-assistant` checkpoints and the drafters specdraft trains share this layout
+(model_type "gemma4_assistant", a nested gemma4_text `text_config`), so one loader reads both.
+specdraft's own additions live under the "specdraft" key, which other readers ignore:
+  head: "own" (the tied V x h table, as Gemma 4) or "target" (score with the target's own
+        embedding table after post_projection: no extra V x h memory)
+  recommended_k: the K the drafter was tuned for
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from specdraft.config import FULL, SLIDING
+from specdraft.errors import SpecdraftError
+
+
+@dataclass
+class MTPConfig:
+    backbone_hidden_size: int  # H: the target's hidden size
+    hidden_size: int  # h
+    intermediate_size: int
+    layer_types: list[str]
+    num_heads: int
+    head_dim: dict[str, int]  # per attention type (Gemma 4: head_dim sliding, global_head_dim full)
+    num_kv_heads: dict[str, int]  # of the target layers read, per type (GQA grouping)
+    vocab_size: int
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "gelu_pytorch_tanh"
+    clustered: bool = False  # use_ordered_embeddings: the centroid ("efficient embedder") head
+    num_centroids: int = 2048
+    top_k_clusters: int = 32
+    head: str = "own"  # "own" | "target"
+    q_norm: bool = True
+    recommended_k: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # anything else under "specdraft"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    @property
+    def cluster_size(self) -> int:
+        return self.vocab_size // self.num_centroids
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "MTPConfig":
+        if raw.get("model_type") != "gemma4_assistant":
+            raise SpecdraftError(
+                f"drafter config has model_type {raw.get('model_type')!r}; expected 'gemma4_assistant'"
+            )
+        text = raw.get("text_config") or {}
+        try:
+            n = int(text["num_hidden_layers"])
+            types = list(text.get("layer_types") or [FULL] * n)
+            head_dim = int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
+            kv = int(text.get("num_key_value_heads") or text["num_attention_heads"])
+            ours = raw.get("specdraft") or {}
+            cfg = cls(
+                backbone_hidden_size=int(raw["backbone_hidden_size"]),
+                hidden_size=int(text["hidden_size"]),
+                intermediate_size=int(text["intermediate_size"]),
+                layer_types=types,
+                num_heads=int(text["num_attention_heads"]),
+                head_dim={SLIDING: head_dim, FULL: int(text.get("global_head_dim") or head_dim)},
+                num_kv_heads={SLIDING: kv, FULL: int(text.get("num_global_key_value_heads") or kv)},
+                vocab_size=int(text["vocab_size"]),
+                rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+                hidden_act=text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh",
+                clustered=bool(raw.get("use_ordered_embeddings", False)),
+                num_centroids=int(raw.get("num_centroids", 2048)),
+                top_k_clusters=int(raw.get("centroid_intermediate_top_k", 32)),
+                head=ours.get("head", "own"),
+                q_norm=bool(ours.get("q_norm", True)),
+                recommended_k=ours.get("recommended_k"),
+                extra={k: v for k, v in ours.items() if k not in ("head", "q_norm", "recommended_k")},
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecdraftError(f"drafter config.json is missing or has a bad field: {e}") from None
+        if len(types) != n:
+            raise SpecdraftError(f"drafter layer_types has {len(types)} entries for {n} layers")
+        if cfg.head not in ("own", "target"):
+            raise SpecdraftError(f"drafter head must be 'own' or 'target', got {cfg.head!r}")
+        if cfg.clustered and cfg.vocab_size % cfg.num_centroids:
+            raise SpecdraftError(f"vocab size {cfg.vocab_size} is not divisible by num_centroids {cfg.num_centroids}")
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        """The Gemma 4 assistant config.json for this drafter."""
+        sliding = self.layer_types and SLIDING in self.layer_types
+        return {
+            "model_type": "gemma4_assistant",
+            "architectures": ["Gemma4AssistantForCausalLM"],
+            "backbone_hidden_size": self.backbone_hidden_size,
+            "use_ordered_embeddings": self.clustered,
+            "num_centroids": self.num_centroids,
+            "centroid_intermediate_top_k": self.top_k_clusters,
+            "tie_word_embeddings": True,
+            "text_config": {
+                "model_type": "gemma4_text",
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_layers,
+                "layer_types": self.layer_types,
+                "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads[SLIDING if sliding else FULL],
+                "num_global_key_value_heads": self.num_kv_heads[FULL],
+                "head_dim": self.head_dim[SLIDING if sliding else FULL],
+                "global_head_dim": self.head_dim[FULL],
+                "vocab_size": self.vocab_size,
+                "rms_norm_eps": self.rms_norm_eps,
+                "hidden_activation": self.hidden_act,
+                "num_kv_shared_layers": self.num_layers,
+                "hidden_size_per_layer_input": 0,
+                "vocab_size_per_layer_input": 0,
+                "enable_moe_block": False,
+                "use_double_wide_mlp": False,
+            },
+            "specdraft": {"head": self.head, "q_norm": self.q_norm, "recommended_k": self.recommended_k, **self.extra},
+        }

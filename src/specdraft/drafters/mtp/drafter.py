@@ -1,0 +1,85 @@
+"""The MTP drafter at inference: K draft steps per round at the constant position p.
+
+All K steps of a round query position p over the target's keys 0..p (sliding layers: the last
+`window` of them); only the state changes between steps. So the attention context is built
+once per round, the drafter keeps no cache, and a rollback of the target leaves it nothing to
+undo.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.drafters.base import Draft, Drafter, DraftInput
+from specdraft.drafters.mtp.head import score
+from specdraft.drafters.mtp.network import LayerContext, MTPNetwork
+from specdraft.kv_cache import KVCache, KVSource, attention_span
+from specdraft.sampling import SamplingParams, probabilities, sample
+
+
+def layer_contexts(sources: list[KVSource], cache: KVCache, positions: torch.Tensor, dtype: torch.dtype
+                   ) -> list[LayerContext]:
+    """Contexts for queries at `positions` [B, T] reading the target cache as it is now.
+
+    Every query at q sees keys 0..q; in training T > 1 (one query per anchor), at inference
+    T = 1 (q = p). Spans are shared between drafter layers that read the same target layer.
+    """
+    lowest, end = (int(x) for x in torch.stack([positions.min(), positions.max() + 1]).tolist())
+    built: dict[int, LayerContext] = {}
+    out = []
+    for src in sources:
+        if src.slot not in built:
+            span = attention_span(positions, lowest, end, src.window)
+            cos, sin = src.rope.lookup(positions, dtype)
+            built[src.slot] = LayerContext(
+                cache.k[src.slot][:, :, span.lo : span.hi], cache.v[src.slot][:, :, span.lo : span.hi],
+                span.mask, cos, sin, src.scale,
+            )
+        out.append(built[src.slot])
+    return out
+
+
+class MTPDrafter(Drafter):
+    kind = "mtp"
+
+    def __init__(self, net: MTPNetwork, target: torch.nn.Module, sources: list[KVSource]):
+        self.net, self.target, self.sources = net, target, sources
+        self.recommended_k = net.config.recommended_k
+
+    def nbytes(self) -> int:
+        return self.net.nbytes()
+
+    def head_table_and_input(self, z: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.net.config.head == "own":
+            return self.net.model.embed_tokens.weight, z
+        return self.target.head_weight, state
+
+    def logits(self, z: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """z [N, h], next state [N, H] -> (logits [N, M], candidate ids [N, M] or None for all V)."""
+        table, vec = self.head_table_and_input(z, state)
+        cands = self.net.masked_embedding.candidates(z) if self.net.masked_embedding is not None else None
+        return score(vec, table, cands), cands
+
+    @torch.inference_mode()
+    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+        b = inp.last_token.shape[0]
+        dtype = inp.hidden.dtype
+        contexts = layer_contexts(self.sources, inp.cache, inp.position[:, None], dtype)
+        token, state = inp.last_token, inp.hidden[:, None]
+        tokens, probs = [], []
+        vocab = self.target.config.vocab_size
+        for _ in range(k):
+            z, state = self.net.step(self.target.embed(token[:, None]), state, contexts)
+            logits, cands = self.logits(z[:, 0], state[:, 0])
+            if sampling.greedy:
+                pick = logits.argmax(-1)
+                token = pick if cands is None else cands.gather(1, pick[:, None]).squeeze(1)
+            else:
+                q = probabilities(logits, sampling)
+                pick = sample(q, generator)
+                token = pick if cands is None else cands.gather(1, pick[:, None]).squeeze(1)
+                # The exact Q the token was drawn from, over the whole vocabulary (0 outside the kept clusters).
+                probs.append(q if cands is None else torch.zeros(b, vocab, device=q.device).scatter(1, cands, q))
+            tokens.append(token)
+        num_valid = torch.where(inp.active, k, 0)
+        return Draft(torch.stack(tokens, 1), num_valid, torch.stack(probs, 1) if probs else None)

@@ -1,0 +1,41 @@
+"""The drafter's output head: dense, or clustered ("efficient embedder").
+
+Scoring all V tokens dominates a small drafter's cost when V is large (Gemma: 262144). The
+clustered head splits the vocabulary into C clusters of V/C tokens (`token_ordering`, a
+permutation of 0..V-1 read as C rows), scores the C centroids, keeps the top clusters and
+computes logits only for their tokens. Greedy drafting takes the argmax among them; sampled
+drafting treats every other token as -inf, so Q is exactly the distribution drawn from.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ClusteredHead(nn.Module):
+    """Named `masked_embedding` in checkpoints (Gemma 4 assistant layout)."""
+
+    def __init__(self, hidden: int, vocab: int, num_centroids: int, top_k: int):
+        super().__init__()
+        self.num_centroids, self.top_k = num_centroids, top_k
+        self.cluster_size = vocab // num_centroids
+        self.centroids = nn.Linear(hidden, num_centroids, bias=False)
+        self.register_buffer("token_ordering", torch.arange(vocab, dtype=torch.long))
+
+    def clusters(self) -> torch.Tensor:
+        """[C, V/C]: the token ids of each cluster."""
+        return self.token_ordering.view(self.num_centroids, self.cluster_size)
+
+    def candidates(self, z: torch.Tensor) -> torch.Tensor:
+        """z [N, h] -> token ids of the top-k clusters [N, top_k * V/C]."""
+        top = torch.topk(self.centroids(z), self.top_k, dim=-1).indices
+        return self.clusters()[top].flatten(1)
+
+
+def score(vectors: torch.Tensor, table: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
+    """Logits of vectors [N, d] against table rows [V, d]: all rows, or only `candidates` [N, M]."""
+    if candidates is None:
+        return torch.nn.functional.linear(vectors, table).float()
+    rows = table[candidates]  # [N, M, d]
+    return torch.bmm(rows, vectors[:, :, None]).squeeze(2).float()

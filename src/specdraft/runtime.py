@@ -1,0 +1,45 @@
+"""A loaded target ready to generate: model + tokenizer on a device, in a dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from specdraft.config import ModelConfig
+from specdraft.device import dtype_name, resolve_device, resolve_dtype
+from specdraft.loading import load_folder, resolve_model
+from specdraft.tokenizer import Tokenizer
+
+
+@dataclass
+class Runtime:
+    name: str
+    folder: Path
+    model: torch.nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer
+    device: torch.device
+    dtype: torch.dtype
+    notes: list[str] = field(default_factory=list)
+
+    @classmethod
+    def load(cls, name_or_path: str, dtype: str = "auto", device: str = "auto", progress: bool = True) -> "Runtime":
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        folder = resolve_model(name_or_path, progress)
+        model, cfg, notes = load_folder(folder, dt, dev)
+        return cls(name_or_path, folder, model, cfg, Tokenizer(folder, cfg.eos_token_ids), dev, dt, notes)
+
+    @property
+    def dtype_name(self) -> str:
+        return dtype_name(self.dtype)
+
+    def nbytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def engine(self, drafter=None, draft_tokens: int = 4):
+        from specdraft.speculative.engine import Engine
+
+        return Engine(self.model, self.tokenizer, drafter, draft_tokens)

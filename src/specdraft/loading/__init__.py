@@ -41,6 +41,9 @@ def load_folder(folder: Path, dtype: torch.dtype, device: torch.device | str) ->
     state, ignored = text_decoder_weights(read_safetensors(safetensors_files(folder)))
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    # Gemma 4: some exports keep K/V weights for KV-shared layers, which compute no K/V.
+    for name in getattr(model, "unused_checkpoint_tensors", lambda names: [])(list(state)):
+        del state[name]
     assign_weights(model, state, dtype, device)
     model.eval().requires_grad_(False)
     notes = [f"ignored {len(ignored)} tensor(s) of non-text towers (vision/audio)"] if ignored else []

@@ -15,6 +15,7 @@ from typing import Any
 
 from specdraft.config import FULL, SLIDING
 from specdraft.errors import SpecdraftError
+from specdraft.models.gemma4_config import head_shapes
 
 
 @dataclass
@@ -55,8 +56,9 @@ class MTPConfig:
         try:
             n = int(text["num_hidden_layers"])
             types = list(text.get("layer_types") or [FULL] * n)
-            head_dim = int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
-            kv = int(text.get("num_key_value_heads") or text["num_attention_heads"])
+            # Both spellings of per-type shapes (global_* fields, or transformers' per_layer_config);
+            # specdraft's own files state num_global_key_value_heads without attention_k_eq_v.
+            head_dim, kv = head_shapes(text, types, k_eq_v_gates_kv="attention_k_eq_v" in text)
             ours = raw.get("specdraft") or {}
             cfg = cls(
                 backbone_hidden_size=int(raw["backbone_hidden_size"]),
@@ -64,8 +66,8 @@ class MTPConfig:
                 intermediate_size=int(text["intermediate_size"]),
                 layer_types=types,
                 num_heads=int(text["num_attention_heads"]),
-                head_dim={SLIDING: head_dim, FULL: int(text.get("global_head_dim") or head_dim)},
-                num_kv_heads={SLIDING: kv, FULL: int(text.get("num_global_key_value_heads") or kv)},
+                head_dim=head_dim,
+                num_kv_heads=kv,
                 vocab_size=int(text["vocab_size"]),
                 rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
                 hidden_act=text.get("hidden_activation") or text.get("hidden_act") or "gelu_pytorch_tanh",
@@ -107,6 +109,9 @@ class MTPConfig:
                 "num_attention_heads": self.num_heads,
                 "num_key_value_heads": self.num_kv_heads[SLIDING if sliding else FULL],
                 "num_global_key_value_heads": self.num_kv_heads[FULL],
+                # transformers reads num_global_key_value_heads only with this flag (harmless for a
+                # drafter, which has no K/V projections).
+                "attention_k_eq_v": self.num_kv_heads[FULL] != self.num_kv_heads[SLIDING if sliding else FULL],
                 "head_dim": self.head_dim[SLIDING if sliding else FULL],
                 "global_head_dim": self.head_dim[FULL],
                 "vocab_size": self.vocab_size,

@@ -9,20 +9,14 @@ from specdraft.errors import SpecdraftError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdraft.cli import generate, models
+    from specdraft.cli import bench, generate, models, train
 
     parser = argparse.ArgumentParser(
         prog="specdraft",
         description="Lossless speculative decoding with Gemma-4-style MTP drafters.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (generate, models):
-        module.register(sub)
-    for name in ("train", "bench"):
-        try:
-            module = __import__(f"specdraft.cli.{name}", fromlist=["register"])
-        except ImportError:
-            continue
+    for module in (generate, models, train, bench):
         module.register(sub)
     return parser
 

@@ -1,0 +1,168 @@
+"""One runner per method behind one small interface: ids in, tokens and times out.
+
+Every method gets the same token ids (tokenized once, outside the timer), the same
+max_new_tokens and the same stop rule (the target's EOS ids, nothing else), and is timed
+around its generate call only. A method that cannot run here raises `Skip` with the reason,
+and the benchmark reports it instead of crashing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdraft.errors import SpecdraftError
+from specdraft.sampling import SamplingParams
+
+from specdraft.bench import ALL_METHODS, DEFAULT_METHODS, PEER_METHODS, SPECDRAFT_METHODS  # noqa: F401
+
+
+class Skip(Exception):
+    """This method cannot run in this environment; the message says why."""
+
+
+@dataclass
+class RowOutput:
+    token_ids: list[int]  # new tokens, cut after the first EOS (included)
+    seconds: float  # from the start of the batch until this row was finished
+    ttft: float | None  # time to first token; None where the method cannot tell
+    finish_reason: str  # "eos" | "length"
+    stats: dict | None = None  # speculative counters, for methods that expose them
+
+
+@dataclass
+class BatchOutput:
+    rows: list[RowOutput]
+    wall_seconds: float  # the whole generate call
+
+
+@dataclass
+class BenchContext:
+    """What method builders need: the loaded specdraft target and the run's settings."""
+
+    rt: object  # specdraft.runtime.Runtime
+    sampling: SamplingParams
+    draft_tokens: int | None = None
+    drafter_path: str | None = None
+    draft_model: str | None = None
+    gguf_path: str | None = None  # for llama-cpp; None = derive from the model, or skip
+    n_ctx: int = 2048  # llama.cpp context: longest prompt + max_new_tokens + slack
+    shared: dict = field(default_factory=dict)  # weights loaded once and shared (hf and hf-pld)
+
+
+class Method:
+    """Base class. `generate` is the one required method."""
+
+    name: str = ""
+    max_batch_size: int | None = None  # None: any batch size
+    draft_tokens: int = 0
+    notes: list[str]
+
+    def __init__(self) -> None:
+        self.notes = []
+        self.load_rss_delta = 0  # set by the builder: resident memory its loading added
+        self.own_weight_bytes = 0  # weights this method holds beyond the specdraft target
+        self.drafter_bytes: int | None = None  # Drafter.nbytes() for specdraft drafters
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> BatchOutput:
+        raise NotImplementedError
+
+    def supports(self, batch_size: int) -> bool:
+        return self.max_batch_size is None or batch_size <= self.max_batch_size
+
+    def close(self) -> None:
+        """Free what the method holds (peers' models)."""
+
+
+def cut_at_eos(ids: list[int], eos: set[int], max_new: int) -> tuple[list[int], str]:
+    """New tokens up to and including the first EOS; the same rule specdraft's engine applies."""
+    ids = ids[:max_new]
+    for j, t in enumerate(ids):
+        if t in eos:
+            return ids[: j + 1], "eos"
+    return ids, "length"
+
+
+class SpecdraftMethod(Method):
+    def __init__(self, name: str, rt, drafter, draft_tokens: int, sampling: SamplingParams):
+        super().__init__()
+        self.name, self.rt, self.sampling = name, rt, sampling
+        self.engine = rt.engine(drafter, draft_tokens)
+        self.draft_tokens = draft_tokens if drafter is not None else 0
+        self.drafter_bytes = drafter.nbytes() if drafter is not None else None
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> BatchOutput:
+        cuda = self.rt.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        results = self.engine.generate(prompts, max_new_tokens, self.sampling)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        rows = []
+        for r in results:
+            s = r.stats
+            stats = {
+                "target_forwards": s.target_forwards,
+                "drafted_by_position": list(s.drafted_by_position),
+                "accepted_by_position": list(s.accepted_by_position),
+                "time_split": {k: round(v, 6) for k, v in s.times.items()},
+            }
+            rows.append(RowOutput(list(r.token_ids), r.seconds, r.ttft, r.finish_reason, stats))
+        return BatchOutput(rows, wall)
+
+
+def measure_load(load):
+    """Run `load()` and return (result, resident bytes it added)."""
+    from specdraft.bench.memory import rss_bytes
+
+    before = rss_bytes()
+    out = load()
+    return out, max(0, rss_bytes() - before)
+
+
+def _specdraft(name: str, ctx: BenchContext) -> Method:
+    from specdraft.drafters import load_drafter, shipped_drafter_path
+    from specdraft.loading.presets import PRESETS
+
+    rt = ctx.rt
+    if name == "plain":
+        return SpecdraftMethod(name, rt, None, 0, ctx.sampling)
+    path = None
+    if name == "mtp":
+        # Only preset names have shipped drafters (a folder path would resolve to itself).
+        shipped = shipped_drafter_path(rt.name) if rt.name in PRESETS else None
+        path = ctx.drafter_path or (str(shipped) if shipped else None)
+        if path is None:
+            raise Skip(f"no MTP drafter: none ships for {rt.name!r} and --drafter-path was not given")
+    if name == "draft-model":
+        path = ctx.draft_model
+        if path is None:
+            raise Skip("no draft model: give --draft-model NAME|PATH")
+    try:
+        (drafter, _, k), delta = measure_load(lambda: load_drafter(rt, name, path, ctx.draft_tokens))
+    except SpecdraftError as e:
+        raise Skip(str(e)) from None
+    method = SpecdraftMethod(name, rt, drafter, k, ctx.sampling)
+    method.load_rss_delta = delta
+    if name == "draft-model":
+        method.own_weight_bytes = sum(p.numel() * p.element_size() for p in drafter.model.parameters())
+        method.notes.append(f"draft model {path}, K={k}")
+    else:
+        method.own_weight_bytes = drafter.nbytes()
+        method.notes.append(f"drafter {path}, K={k}" if path else f"K={k}")
+    return method
+
+
+def build_method(name: str, ctx: BenchContext) -> Method:
+    """Build one method or raise Skip. Peers live in peers.py; their imports are optional."""
+    if name in SPECDRAFT_METHODS:
+        return _specdraft(name, ctx)
+    if name in PEER_METHODS:
+        from specdraft.bench import peers
+
+        return peers.build(name, ctx)
+    raise SpecdraftError(f"unknown method {name!r} (choose from {', '.join(ALL_METHODS)})")

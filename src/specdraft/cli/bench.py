@@ -1,0 +1,108 @@
+"""`specdraft bench`: Spec-Bench style tokens/s, speedup, acceptance and memory, next to peers."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from specdraft.errors import SpecdraftError
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return sorted(dict.fromkeys(values))
+
+
+def _name_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def register(sub) -> None:
+    from specdraft.bench import ALL_METHODS, DEFAULT_METHODS, LLAMA_CPP_BUILD
+    from specdraft.bench.questions import PLAIN_TEMPLATE
+    from specdraft.cli.generate import add_model_args
+
+    p = sub.add_parser(
+        "bench",
+        help="benchmark speculative decoding against plain decoding and peers (Spec-Bench style)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Measure tokens/s (Spec-Bench: mean of per-prompt rates), speedup over specdraft plain "
+                    "decoding in the same run, mean accepted length tau, acceptance by draft position, "
+                    "identical-output rate, time to first token, throughput and latency per batch size, and "
+                    "memory, for specdraft and for transformers / llama.cpp on the same weights. Methods are "
+                    "interleaved batch by batch after one warm-up generation each; only generation is timed.",
+        epilog=f"""methods:
+  plain          specdraft, no drafter (the reference; always run)
+  mtp            specdraft + MTP drafter (--drafter-path, else the one shipped for --model)
+  ngram          specdraft + prompt lookup
+  draft-model    specdraft + a small draft model (--draft-model)
+  hf             transformers generate() on the same HF folder, dtype and device
+  hf-pld         transformers generate(prompt_lookup_num_tokens=K); batch size 1 only
+  llama-cpp      llama-cpp-python on the same GGUF; batch size 1 only; optional, build with:
+                 {LLAMA_CPP_BUILD}
+  llama-cpp-pld  llama-cpp-python with its prompt-lookup draft model; batch size 1 only
+A method whose dependency is missing is reported as skipped.
+
+prompt format: the model's chat template when it has one, else the plain template
+  {PLAIN_TEMPLATE!r}
+(Spec-Bench files: the first turn of each question.)""",
+    )
+    add_model_args(p)
+    p.add_argument("--questions", type=Path, required=True,
+                   help="Spec-Bench question.jsonl (question_id, category, turns), JSONL with \"prompt\", "
+                        "or a text file with one prompt per line (category \"all\")")
+    p.add_argument("--categories", type=_name_list, default=None, help="comma-separated categories to keep")
+    p.add_argument("--limit-per-category", type=int, default=None, help="first N questions of each category")
+    p.add_argument("--methods", type=_name_list, default=list(DEFAULT_METHODS),
+                   help=f"comma-separated, from {', '.join(ALL_METHODS)} (default: {','.join(DEFAULT_METHODS)})")
+    p.add_argument("--drafter-path", default=None, help="MTP drafter folder for the mtp method")
+    p.add_argument("--draft-model", default=None, help="model name or path for the draft-model method")
+    p.add_argument("--draft-tokens", type=int, default=None,
+                   help="K, tokens drafted per round, for every drafter and peer (default: the MTP drafter's "
+                        "recommended K, else 4)")
+    p.add_argument("--gguf", default=None,
+                   help="GGUF file for llama-cpp when --model is a HF folder (default: the preset's GGUF)")
+    p.add_argument("--batch-sizes", type=_int_list, default=[1], help="comma-separated, e.g. 1,4,8 (default 1)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default; identical-output rate is only meaningful then)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0 (default 0)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt, at most (default 128)")
+    p.add_argument("--repeats", type=int, default=1, help="measure each batch R times (default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for every method (torch and llama.cpp alike; default: torch's default, "
+                        "usually the number of cores)")
+    p.add_argument("--out", type=Path, default=Path("bench-out"),
+                   help="folder for results.json, results.md and the PNG plots (default bench-out)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from specdraft.bench import ALL_METHODS
+    from specdraft.bench.report import text_summary
+    from specdraft.bench.runner import BenchConfig, run_bench
+
+    unknown = [m for m in args.methods if m not in ALL_METHODS]
+    if unknown:
+        raise SpecdraftError(f"unknown method(s) {', '.join(unknown)} (choose from {', '.join(ALL_METHODS)})")
+    if args.draft_tokens is not None and args.draft_tokens < 1:
+        raise SpecdraftError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
+    cfg = BenchConfig(
+        questions=args.questions, model=args.model, categories=args.categories,
+        limit_per_category=args.limit_per_category, methods=args.methods, drafter_path=args.drafter_path,
+        draft_model=args.draft_model, draft_tokens=args.draft_tokens, gguf=args.gguf,
+        batch_sizes=args.batch_sizes, temperature=args.temperature, seed=args.seed,
+        max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype, device=args.device,
+        threads=args.threads, out=args.out, progress=not args.no_progress, plots=not args.no_plots,
+    )
+    payload = run_bench(cfg)
+    print(text_summary(payload))
+    print(f"\nwrote {args.out / 'results.json'}, {args.out / 'results.md'}"
+          + "".join(f", {args.out / p}" for p in payload["plots"]))
+    return 0

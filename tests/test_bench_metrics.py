@@ -1,0 +1,98 @@
+"""Bench arithmetic on synthetic records: rates, speedup, tau, acceptance, identical rate."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdraft.bench import metrics
+
+
+def row(method, index, new_tokens, seconds, *, category="c", bs=1, repeat=0, tokens=None, forwards=None,
+        drafted=None, accepted=None, ttft=None):
+    return {"method": method, "batch_size": bs, "batch": index // bs, "repeat": repeat, "index": index,
+            "category": category, "new_tokens": new_tokens, "seconds": seconds, "ttft": ttft,
+            "token_ids": tokens if tokens is not None else list(range(new_tokens)),
+            "target_forwards": forwards, "drafted_by_position": drafted, "accepted_by_position": accepted}
+
+
+def test_tokens_per_second_is_mean_of_per_prompt_rates():
+    rows = [row("plain", 0, 10, 1.0), row("plain", 1, 10, 4.0)]
+    # 10 tok/s and 2.5 tok/s -> mean 6.25 (not 20 tokens / 5 s = 4)
+    assert metrics.mean_rate(rows) == pytest.approx(6.25)
+
+
+def test_repeats_are_averaged_per_prompt_first():
+    rows = [row("plain", 0, 10, 1.0, repeat=0), row("plain", 0, 10, 0.5, repeat=1), row("plain", 1, 10, 1.0)]
+    # prompt 0: (10 + 20) / 2 = 15; prompt 1: 10 -> 12.5
+    assert metrics.mean_rate(rows) == pytest.approx(12.5)
+
+
+def test_speedup_is_ratio_of_mean_rates():
+    ref = [row("plain", 0, 10, 1.0), row("plain", 1, 10, 2.0)]  # 10, 5 -> 7.5
+    fast = [row("ngram", 0, 10, 0.5), row("ngram", 1, 10, 2.0)]  # 20, 5 -> 12.5
+    assert metrics.speedup(fast, ref) == pytest.approx(12.5 / 7.5)
+    # not the mean of per-prompt ratios, (2 + 1) / 2 = 1.5
+    assert metrics.speedup(fast, ref) != pytest.approx(1.5)
+
+
+def test_speedup_uses_prompts_both_ran():
+    ref = [row("plain", 0, 10, 1.0), row("plain", 1, 10, 10.0)]
+    only_first = [row("hf", 0, 10, 0.5)]
+    assert metrics.speedup(only_first, ref) == pytest.approx(2.0)
+
+
+def test_tau_sums_tokens_over_forwards():
+    rows = [row("mtp", 0, 12, 1.0, forwards=4), row("mtp", 1, 6, 1.0, forwards=6)]
+    assert metrics.tau(rows) == pytest.approx(18 / 10)
+    assert metrics.tau([row("hf", 0, 5, 1.0)]) is None
+
+
+def test_acceptance_by_position_sums_counts():
+    rows = [row("mtp", 0, 10, 1.0, drafted=[4, 4, 2], accepted=[3, 2, 0]),
+            row("mtp", 1, 10, 1.0, drafted=[4, 2, 0], accepted=[1, 1, 0])]
+    assert metrics.acceptance_by_position(rows) == [pytest.approx(0.5), pytest.approx(0.5), 0.0]
+    never = [row("mtp", 0, 10, 1.0, drafted=[2, 0], accepted=[1, 0])]
+    assert metrics.acceptance_by_position(never) == [0.5, None]
+    assert metrics.acceptance_by_position([row("plain", 0, 1, 1.0)]) is None
+
+
+def test_identical_rate_exact_token_match_first_repeat():
+    ref = [row("plain", 0, 3, 1.0, tokens=[1, 2, 3]), row("plain", 1, 3, 1.0, tokens=[4, 5, 6])]
+    rows = [row("ngram", 0, 3, 1.0, tokens=[1, 2, 3]), row("ngram", 1, 3, 1.0, tokens=[4, 5, 7]),
+            row("ngram", 1, 3, 1.0, tokens=[4, 5, 6], repeat=1)]
+    assert metrics.identical_rate(rows, ref) == pytest.approx(0.5)
+    # a prefix is not a match
+    assert metrics.identical_rate([row("x", 0, 2, 1.0, tokens=[1, 2])], ref) == 0.0
+
+
+def test_throughput_is_tokens_over_wall_time():
+    batches = [{"new_tokens": 30, "wall_seconds": 2.0}, {"new_tokens": 10, "wall_seconds": 2.0}]
+    assert metrics.throughput(batches) == pytest.approx(10.0)
+    assert metrics.throughput([]) is None
+
+
+def test_summarize_per_category_and_batch_size():
+    rows = [row("plain", 0, 10, 1.0, category="a", tokens=[1] * 10),
+            row("plain", 1, 10, 2.0, category="b", tokens=[2] * 10),
+            row("ngram", 0, 10, 0.5, category="a", tokens=[1] * 10, forwards=5, drafted=[4], accepted=[4]),
+            row("ngram", 1, 10, 2.0, category="b", tokens=[3] * 10, forwards=10, drafted=[4], accepted=[0]),
+            row("plain", 0, 10, 1.0, category="a", bs=2, tokens=[1] * 10),
+            row("plain", 1, 10, 1.0, category="b", bs=2, tokens=[2] * 10)]
+    batches = [{"method": "plain", "batch_size": 1, "new_tokens": 20, "wall_seconds": 3.0, "rss_peak_delta": 5},
+               {"method": "ngram", "batch_size": 1, "new_tokens": 20, "wall_seconds": 2.5, "rss_peak_delta": 7},
+               {"method": "plain", "batch_size": 2, "new_tokens": 20, "wall_seconds": 1.0, "rss_peak_delta": 9}]
+    s = metrics.summarize(rows, batches)
+    one = s["batch_sizes"]["1"]["methods"]
+    assert one["plain"]["overall"]["speedup"] == pytest.approx(1.0)
+    assert one["ngram"]["categories"]["a"]["speedup"] == pytest.approx(2.0)
+    assert one["ngram"]["categories"]["b"]["speedup"] == pytest.approx(1.0)
+    assert one["ngram"]["overall"]["speedup"] == pytest.approx(12.5 / 7.5)
+    assert one["ngram"]["overall"]["tau"] == pytest.approx(20 / 15)
+    assert one["ngram"]["overall"]["identical_rate"] == pytest.approx(0.5)
+    assert one["ngram"]["throughput_speedup"] == pytest.approx((20 / 2.5) / (20 / 3.0))
+    assert one["ngram"]["rss_peak_delta"] == 7
+    two = s["batch_sizes"]["2"]["methods"]
+    assert two["plain"]["throughput"] == pytest.approx(20.0)
+    assert two["plain"]["overall"]["identical_rate"] == 1.0  # checked against batch size 1
+    sampled = metrics.summarize(rows, batches, greedy=False)
+    assert sampled["batch_sizes"]["1"]["methods"]["ngram"]["overall"]["identical_rate"] is None

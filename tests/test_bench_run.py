@@ -1,0 +1,227 @@
+"""The whole `specdraft bench` path on a tiny random model, and peers reported as skipped.
+
+The tiny model is a random Llama saved as an ordinary HF folder (safetensors + a word-level
+tokenizer.json), so specdraft's own loader and transformers both read it, as for a real model.
+No timing is asserted: only that the run completes and its outputs are well formed.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from specdraft.bench import methods as bench_methods
+from specdraft.bench.methods import BenchContext, Skip, build_method
+from specdraft.bench.questions import PLAIN_TEMPLATE, Question, encode, read_questions, select
+from specdraft.errors import SpecdraftError
+from specdraft.sampling import SamplingParams
+
+VOCAB = 64
+SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+WORDS = SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))]
+
+
+def _write_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens(SPECIALS)
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 2)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<bos>", "eos_token": "<eos>",
+                                                              "pad_token": "<pad>", "unk_token": "<unk>"}))
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                      bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # a wider spread than the default init, so greedy outputs vary with the prompt
+        for p in model.parameters():
+            p.normal_(1.0 if p.dim() == 1 else 0.0, 0.3)
+    model.save_pretrained(folder, safe_serialization=True)
+    _write_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def questions_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("q") / "question.jsonl"
+    lines = [
+        {"question_id": 1, "category": "writing", "turns": ["w5 w6 w7 w5 w6 w7 w5 w6", "second turn ignored"]},
+        {"question_id": 2, "category": "coding", "turns": ["w10 w11 w12 w13 w10 w11"]},
+        {"question_id": 3, "category": "coding", "turns": ["w20 w21"]},
+    ]
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_bench_cli_end_to_end(tiny_folder, questions_file, tmp_path, capsys):
+    from specdraft.cli.main import main
+
+    out = tmp_path / "out"
+    rc = main(["bench", "--model", str(tiny_folder), "--questions", str(questions_file),
+               "--limit-per-category", "1", "--methods", "plain,ngram", "--batch-sizes", "1,2",
+               "--max-new-tokens", "8", "--dtype", "float32", "--device", "cpu", "--out", str(out),
+               "--no-progress"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "batch size 1:" in printed and "ngram" in printed
+
+    data = json.loads((out / "results.json").read_text())
+    assert [q["category"] for q in data["questions"]] == ["writing", "coding"]
+    assert {"cpu", "cpu_count", "torch", "dtype", "git_commit"} <= set(data["machine"])
+    assert data["machine"]["dtype"] == "float32"
+    # every raw measurement: 2 prompts x 2 methods x 2 batch sizes
+    assert len(data["rows"]) == 8
+    for r in data["rows"]:
+        assert 1 <= r["new_tokens"] <= 8 and r["seconds"] > 0 and len(r["token_ids"]) == r["new_tokens"]
+    ngram_rows = [r for r in data["rows"] if r["method"] == "ngram"]
+    assert all(len(r["drafted_by_position"]) == 4 for r in ngram_rows)
+    assert len([b for b in data["batches"] if b["batch_size"] == 2]) == 2  # one batch of 2 per method
+    summary = data["summary"]["batch_sizes"]
+    assert set(summary) == {"1", "2"}
+    one = summary["1"]["methods"]
+    assert one["plain"]["overall"]["speedup"] == pytest.approx(1.0)
+    assert one["ngram"]["overall"]["tau"] >= 1.0
+    # greedy speculative decoding in float32 is lossless: same tokens as plain
+    assert one["ngram"]["overall"]["identical_rate"] == 1.0
+    assert set(one["ngram"]["categories"]) == {"writing", "coding"}
+    assert summary["2"]["methods"]["plain"]["throughput"] > 0
+    assert data["methods"]["ngram"]["draft_tokens"] == 4
+    assert data["prompt_format"] == {"style": "plain", "template": PLAIN_TEMPLATE}
+
+    md = (out / "results.md").read_text()
+    for heading in ("## Batch size 1", "## Batch size 2", "## Speedup by category", "## Acceptance by draft position",
+                    "## Batch sweep", "## Memory", "Question: {q}"):
+        assert heading in md
+    assert set(data["plots"]) == {"speedup_by_category.png", "acceptance_by_position.png",
+                                  "throughput_vs_batch_size.png"}
+    for name in data["plots"]:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert f"]({name})" in md
+
+
+@pytest.fixture(scope="module")
+def ctx(tiny_folder) -> BenchContext:
+    from specdraft.runtime import Runtime
+
+    rt = Runtime.load(str(tiny_folder), "float32", "cpu", progress=False)
+    return BenchContext(rt, SamplingParams())
+
+
+def test_missing_llama_cpp_is_skipped(ctx, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # makes `import llama_cpp` raise ImportError
+    with pytest.raises(Skip, match="llama-cpp-python is not installed"):
+        build_method("llama-cpp", ctx)
+
+
+def test_missing_transformers_is_skipped(ctx, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(Skip, match="transformers is not installed"):
+        build_method("hf", BenchContext(ctx.rt, ctx.sampling))
+
+
+def test_llama_cpp_without_gguf_is_skipped(ctx, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))
+    with pytest.raises(Skip, match="no GGUF"):
+        build_method("llama-cpp", ctx)
+
+
+def test_drafters_without_weights_are_skipped(ctx):
+    with pytest.raises(Skip, match="--drafter-path"):
+        build_method("mtp", ctx)
+    with pytest.raises(Skip, match="--draft-model"):
+        build_method("draft-model", ctx)
+    with pytest.raises(SpecdraftError, match="unknown method"):
+        build_method("nope", ctx)
+
+
+def test_skipped_peers_reported_in_outputs(tiny_folder, questions_file, tmp_path, monkeypatch):
+    from specdraft.bench.runner import BenchConfig, run_bench
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    out = tmp_path / "out"
+    payload = run_bench(BenchConfig(questions=questions_file, model=str(tiny_folder), categories=["coding"],
+                                    limit_per_category=1, methods=["llama-cpp", "mtp", "hf-pld"],
+                                    max_new_tokens=4, dtype="float32", device="cpu", out=out, progress=False,
+                                    plots=False, warmup=False))
+    assert "plain" in payload["methods"]  # the reference always runs
+    assert "hf-pld" in payload["methods"]  # transformers' prompt lookup on the same weights
+    assert set(payload["skipped"]) == {"llama-cpp", "mtp"}
+    md = (out / "results.md").read_text()
+    assert "## Skipped" in md and "llama-cpp-python is not installed" in md
+    assert json.loads((out / "results.json").read_text())["skipped"] == payload["skipped"]
+
+
+def test_questions_formats_and_selection(tmp_path, ctx):
+    txt = tmp_path / "prompts.txt"
+    txt.write_text("w1 w2\n\nw3\n")
+    assert read_questions(txt) == [Question("0", "all", "w1 w2"), Question("1", "all", "w3")]
+    jl = tmp_path / "p.jsonl"
+    jl.write_text('{"prompt": "w4"}\n{"prompt": "w5", "category": "x"}\n')
+    assert [(q.category, q.text) for q in read_questions(jl)] == [("all", "w4"), ("x", "w5")]
+    qs = [Question(str(i), c, "w1") for i, c in enumerate("aabbb")]
+    assert [q.qid for q in select(qs, ["b"], 2)] == ["2", "3"]
+    with pytest.raises(SpecdraftError, match="unknown category"):
+        select(qs, ["z"], None)
+    # a base model (no chat template) gets the plain template: <bos> Question: w1 \n Answer:
+    ids = encode(ctx.rt.tokenizer, Question("0", "all", "w1"), "plain")
+    assert ids == ctx.rt.tokenizer.encode(PLAIN_TEMPLATE.format(q="w1"))
+    assert ids[0] == 2 and WORDS.index("w1") in ids
+
+
+def test_cut_at_eos():
+    assert bench_methods.cut_at_eos([5, 1, 7], {1}, 10) == ([5, 1], "eos")
+    assert bench_methods.cut_at_eos([5, 6, 7], {1}, 2) == ([5, 6], "length")
+
+
+def test_draft_model_method_runs(ctx, tiny_folder):
+    dctx = BenchContext(ctx.rt, ctx.sampling, draft_tokens=3, draft_model=str(tiny_folder))
+    method = build_method("draft-model", dctx)
+    out = method.generate([[2, 5, 6, 7], [2, 9]], 6)
+    assert all(1 <= len(r.token_ids) <= 6 for r in out.rows) and out.wall_seconds > 0
+    # the target drafting for itself: every draft is accepted
+    assert all(r.stats["accepted_by_position"] == r.stats["drafted_by_position"] for r in out.rows)
+    assert sum(sum(r.stats["drafted_by_position"]) for r in out.rows) > 0
+    assert method.draft_tokens == 3 and method.own_weight_bytes > 0
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])
+def test_failing_or_interrupted_run_still_writes_outputs(tiny_folder, questions_file, tmp_path, monkeypatch, error):
+    from specdraft.bench.report import text_summary
+    from specdraft.bench.runner import BenchConfig, run_bench
+
+    calls = []
+    original = bench_methods.SpecdraftMethod.generate
+
+    def flaky(self, prompts, max_new_tokens):
+        calls.append(self.name)
+        if self.name == "ngram":
+            raise error
+        return original(self, prompts, max_new_tokens)
+
+    monkeypatch.setattr(bench_methods.SpecdraftMethod, "generate", flaky)
+    out = tmp_path / "out"
+    payload = run_bench(BenchConfig(questions=questions_file, model=str(tiny_folder), limit_per_category=1,
+                                    methods=["ngram"], max_new_tokens=4, dtype="float32", device="cpu", out=out,
+                                    progress=False, warmup=False))
+    assert (out / "results.json").exists() and (out / "results.md").exists()
+    if isinstance(error, KeyboardInterrupt):
+        assert payload["interrupted"] and "Interrupted" in (out / "results.md").read_text()
+        assert "interrupted" in text_summary(payload)
+    else:
+        assert "failed at batch size 1: RuntimeError: boom" in payload["skipped"]["ngram"]
+        assert {r["method"] for r in payload["rows"]} == {"plain"} and len(payload["rows"]) == 2

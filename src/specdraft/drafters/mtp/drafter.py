@@ -13,13 +13,14 @@ import torch
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.drafters.mtp.head import score
 from specdraft.drafters.mtp.network import LayerContext, MTPNetwork
-from specdraft.kv_cache import KVCache, KVSource, attention_span
+from specdraft.kv_cache import KVSource, attention_span
 from specdraft.sampling import SamplingParams, probabilities, sample
 
 
-def layer_contexts(sources: list[KVSource], cache: KVCache, positions: torch.Tensor, dtype: torch.dtype
-                   ) -> list[LayerContext]:
-    """Contexts for queries at `positions` [B, T] reading the target cache as it is now.
+def layer_contexts(sources: list[KVSource], keys: list[torch.Tensor], values: list[torch.Tensor],
+                   positions: torch.Tensor, dtype: torch.dtype) -> list[LayerContext]:
+    """Contexts for queries at `positions` [B, T] over per-slot K/V [B, Hkv, S, D] (a KV cache's
+    `k`/`v` lists at inference; the stored target K/V of whole sequences in training).
 
     Every query at q sees keys 0..q; in training T > 1 (one query per anchor), at inference
     T = 1 (q = p). Spans are shared between drafter layers that read the same target layer.
@@ -30,9 +31,10 @@ def layer_contexts(sources: list[KVSource], cache: KVCache, positions: torch.Ten
     for src in sources:
         if src.slot not in built:
             span = attention_span(positions, lowest, end, src.window)
+            src.rope.ensure(end, positions.device)
             cos, sin = src.rope.lookup(positions, dtype)
             built[src.slot] = LayerContext(
-                cache.k[src.slot][:, :, span.lo : span.hi], cache.v[src.slot][:, :, span.lo : span.hi],
+                keys[src.slot][:, :, span.lo : span.hi], values[src.slot][:, :, span.lo : span.hi],
                 span.mask, cos, sin, src.scale,
             )
         out.append(built[src.slot])
@@ -64,7 +66,7 @@ class MTPDrafter(Drafter):
     def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
         b = inp.last_token.shape[0]
         dtype = inp.hidden.dtype
-        contexts = layer_contexts(self.sources, inp.cache, inp.position[:, None], dtype)
+        contexts = layer_contexts(self.sources, inp.cache.k, inp.cache.v, inp.position[:, None], dtype)
         token, state = inp.last_token, inp.hidden[:, None]
         tokens, probs = [], []
         vocab = self.target.config.vocab_size

@@ -1,0 +1,217 @@
+"""`specdraft train-drafter`, `eval-drafter` and `init-drafter`."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from specdraft.cli.generate import add_model_args
+from specdraft.errors import SpecdraftError
+
+
+def register(sub) -> None:
+    _register_train(sub)
+    _register_eval(sub)
+    _register_init(sub)
+
+
+def _add_shape_args(p) -> None:
+    p.add_argument("--hidden", type=int, default=384, help="drafter hidden size h (default 384)")
+    p.add_argument("--layers", type=int, default=2, help="drafter layers (default 2: sliding then full)")
+    p.add_argument("--heads", type=int, default=4, help="drafter attention heads (default 4)")
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width (default 4 * hidden)")
+    p.add_argument("--head", choices=["target", "own"], default="target",
+                   help="target: score tokens with the target's own embedding table (no extra V x h memory; "
+                        "default); own: a drafter-owned V x h table, as Gemma 4 assistants")
+    p.add_argument("--clusters", type=int, default=None,
+                   help="clustered head with C clusters of V/C tokens (default V/128 when V is a multiple of "
+                        "128; 0 = dense head)")
+    p.add_argument("--top-k-clusters", type=int, default=32, help="clusters kept per draft step (default 32)")
+
+
+def _register_train(sub) -> None:
+    p = sub.add_parser(
+        "train-drafter", help="train an MTP drafter for a model by self-distillation",
+        description="Train a Gemma-4-style MTP drafter for --model. The target first answers the training "
+                    "prompts itself (a mix of greedy and sampled answers, cached in OUT/data and resumable), "
+                    "then the drafter learns to predict the target's next K tokens from its hidden state and "
+                    "KV cache. Interrupt at any time; rerun with --resume to continue. Never train on "
+                    "evaluation sets: pass them to --exclude-eval and overlapping prompts are refused.")
+    add_model_args(p)
+    p.add_argument("--out", type=Path, required=True, help="output folder (drafter, checkpoint, data)")
+    p.add_argument("--prompts", type=Path, nargs="+", required=True,
+                   help="training prompt files (JSONL with prompt / instruction / text, or one prompt per line)")
+    p.add_argument("--exclude-eval", type=Path, nargs="*", default=[],
+                   help="evaluation files (e.g. Spec-Bench question.jsonl): prompts sharing a 13-word span with "
+                        "them are refused")
+    p.add_argument("--num-prompts", type=int, default=None, help="use at most this many training prompts")
+    p.add_argument("--held-out", type=int, default=48, help="held-out prompts for evaluation (default 48)")
+    p.add_argument("--answer-tokens", type=int, default=160, help="tokens per target answer (default 160)")
+    p.add_argument("--draft-tokens", type=int, default=4, help="K: unrolled steps trained (default 4)")
+    _add_shape_args(p)
+    p.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
+    p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
+    p.add_argument("--anchors", type=int, default=64, help="anchor positions per sequence per step (default 64)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--loss", choices=["ce", "kl"], default="ce",
+                   help="ce: cross-entropy on the target's emitted tokens; kl: to its top-k distribution")
+    p.add_argument("--eval-every", type=int, default=250, help="held-out evaluation interval in steps")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--data-only", action="store_true", help="only generate (or complete) the training data")
+    p.set_defaults(run=run_train)
+
+
+def _register_eval(sub) -> None:
+    p = sub.add_parser("eval-drafter", help="measure a drafter's acceptance with the real engine",
+                       description="Run speculative decoding on held-out prompts for K = 1..8, greedy and "
+                                   "temperature 1, and report tau (tokens per target forward) and acceptance "
+                                   "by draft position.")
+    add_model_args(p)
+    p.add_argument("--drafter-path", required=True, help="MTP drafter folder")
+    p.add_argument("--prompts", type=Path, required=True, help="held-out prompts (never the training ones)")
+    p.add_argument("--limit", type=int, default=32, help="prompts used (default 32)")
+    p.add_argument("--ks", default="1-8", help="K values, e.g. 1-8 or 2,4,6 (default 1-8)")
+    p.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    p.set_defaults(run=run_eval)
+
+
+def _register_init(sub) -> None:
+    p = sub.add_parser("init-drafter", help="write an untrained (random-weight) MTP drafter for a model",
+                       description="Create an MTP drafter with random weights that fits --model. Useful to see "
+                                   "that speculative decoding stays lossless even with a useless drafter.")
+    add_model_args(p)
+    p.add_argument("--out", type=Path, required=True)
+    _add_shape_args(p)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(run=run_init)
+
+
+def _drafter_config(rt, args, recommended_k: int | None):
+    from specdraft.drafters.mtp import drafter_config_for
+
+    vocab = rt.config.vocab_size
+    clusters = args.clusters
+    if clusters is None:
+        clusters = vocab // 128 if vocab % 128 == 0 and vocab >= 4096 else 0
+    if clusters and vocab % clusters:
+        raise SpecdraftError(f"--clusters {clusters} does not divide the vocabulary ({vocab})")
+    if clusters and args.top_k_clusters > clusters:
+        raise SpecdraftError(f"--top-k-clusters {args.top_k_clusters} exceeds --clusters {clusters}")
+    for name in ("hidden", "layers", "heads"):
+        if getattr(args, name) < 1:
+            raise SpecdraftError(f"--{name} must be >= 1")
+    return drafter_config_for(rt.model, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                              intermediate=args.intermediate, head=args.head, clustered=bool(clusters),
+                              num_centroids=clusters or None, top_k_clusters=args.top_k_clusters,
+                              recommended_k=recommended_k)
+
+
+def run_init(args) -> int:
+    from specdraft.drafters.mtp import init_network, save_network
+    from specdraft.runtime import Runtime
+
+    rt = Runtime.load(args.model, args.dtype, args.device)
+    net = init_network(_drafter_config(rt, args, None), rt.model, seed=args.seed)
+    if net.masked_embedding is not None:
+        from specdraft.training.clustering import balanced_clusters
+
+        net.masked_embedding.token_ordering.copy_(balanced_clusters(rt.model.head_weight.detach().cpu(),
+                                                                    net.config.num_centroids))
+    save_network(net, args.out)
+    print(f"wrote an untrained drafter ({net.nbytes() / 1e6:.1f} MB) to {args.out}")
+    return 0
+
+
+def run_train(args) -> int:
+    from specdraft.runtime import Runtime
+    from specdraft.training.data import DataConfig, build_dataset, load_sequences
+    from specdraft.training.prompts import load_prompt_set
+    from specdraft.training.trainer import TrainConfig, Trainer, init_distributed
+
+    if (args.out / "checkpoint" / "state.json").exists() and not args.resume:
+        raise SpecdraftError(f"{args.out} already has a training checkpoint; pass --resume to continue it "
+                             "or choose another --out")
+    for name in ("steps", "batch_size", "anchors", "draft_tokens", "answer_tokens"):
+        if getattr(args, name) < 1:
+            raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
+    distributed = init_distributed()
+    started = time.time()
+    rt = Runtime.load(args.model, args.dtype, args.device)
+    prompts = load_prompt_set(args.prompts, args.exclude_eval, held_out_fraction=0.05, limit=args.num_prompts)
+    held = prompts.held_out[: args.held_out]
+    print(f"prompts: {len(prompts.train)} train, {len(held)} held out, {len(prompts.refused)} refused as "
+          f"overlapping the evaluation files", file=sys.stderr)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "held_out_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held))
+    data_cfg = DataConfig(max_new_tokens=args.answer_tokens, seed=args.seed)
+    rank0 = not distributed or __import__("torch").distributed.get_rank() == 0
+    if rank0:
+        build_dataset(rt, prompts.train, args.out / "data" / "train", data_cfg)
+        build_dataset(rt, held, args.out / "data" / "held_out", data_cfg, desc="held-out data")
+    if args.data_only:
+        return 0
+    if distributed:
+        __import__("torch").distributed.barrier()
+    train = load_sequences(sorted((args.out / "data" / "train").glob("shard-*.safetensors")))
+    held_seqs = load_sequences(sorted((args.out / "data" / "held_out").glob("shard-*.safetensors")))
+    data_seconds = time.time() - started
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
+                      k_steps=args.draft_tokens, lr=args.lr, loss=args.loss, eval_every=args.eval_every,
+                      save_every=args.eval_every, seed=args.seed)
+    trainer = Trainer(rt, args.out, cfg, _drafter_config(rt, args, args.draft_tokens), train, held_seqs,
+                      log=lambda m: print(m, file=sys.stderr))
+    final = trainer.train()
+    recipe = {"command": " ".join(sys.argv), "model": args.model, "seed": args.seed, "train_sequences": len(train),
+              "held_out_sequences": len(held_seqs), "data_seconds": round(data_seconds, 1),
+              "total_seconds": round(time.time() - started, 1), "device": str(rt.device), "dtype": rt.dtype_name}
+    trainer.export(args.out, recipe)
+    if rank0:
+        size = trainer.net.nbytes() / 2  # exported in bf16
+        print(f"drafter written to {args.out}: {size / 1e6:.1f} MB ({100 * size / rt.nbytes():.1f}% of the target); "
+              f"held-out teacher-forced tau {final.get('tau')} at K={args.draft_tokens}, acceptance by position "
+              f"{final.get('acceptance_by_position')}", file=sys.stderr)
+    return 0
+
+
+def _parse_ks(text: str) -> list[int]:
+    try:
+        if "-" in text:
+            lo, hi = (int(x) for x in text.split("-"))
+            return list(range(lo, hi + 1))
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SpecdraftError(f"--ks expects a range like 1-8 or a list like 2,4; got {text!r}") from None
+
+
+def run_eval(args) -> int:
+    from specdraft.drafters.mtp import load_mtp_drafter
+    from specdraft.runtime import Runtime
+    from specdraft.training.evaluate import evaluate_drafter
+    from specdraft.training.prompts import read_prompt_file
+
+    ks = _parse_ks(args.ks)
+    if not ks or min(ks) < 1:
+        raise SpecdraftError("--ks values must be >= 1")
+    try:
+        temps = [float(t) for t in args.temperatures.split(",")]
+    except ValueError:
+        raise SpecdraftError(f"--temperatures expects numbers like 0,1; got {args.temperatures!r}") from None
+    rt = Runtime.load(args.model, args.dtype, args.device)
+    drafter = load_mtp_drafter(Path(args.drafter_path), rt.model, rt.dtype, rt.device)
+    prompts = read_prompt_file(args.prompts)[: args.limit]
+    rows = evaluate_drafter(rt, drafter, prompts, ks, temps, args.max_new_tokens, args.batch_size)
+    for r in rows:
+        acc = [None if a is None else round(a, 3) for a in r.acceptance_by_position]
+        if args.json:
+            print(json.dumps({"k": r.k, "temperature": r.temperature, "tau": round(r.tau, 3),
+                              "acceptance_by_position": acc, "tokens_per_second": round(r.tokens_per_second, 1)}))
+        else:
+            print(f"K={r.k} T={r.temperature:g}  tau {r.tau:.2f}  tok/s {r.tokens_per_second:6.1f}  acceptance "
+                  + " ".join("-" if a is None else f"{a:.2f}" for a in acc))
+    return 0

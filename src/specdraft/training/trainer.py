@@ -1,0 +1,304 @@
+"""The drafter training loop: AdamW with warm-up and cosine decay, bf16 autocast where the
+hardware has bf16 units, periodic held-out acceptance, checkpoints and exact resume, and DDP
+under torchrun (a single process on CPU otherwise).
+
+Checkpoints hold no pickle: weights and optimizer moments are safetensors, the rest JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections import Counter
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from specdraft.drafters.mtp import MTPNetwork, init_network, save_network
+from specdraft.drafters.mtp.checkpoint import kv_sources, read_drafter_config
+from specdraft.drafters.mtp.config import MTPConfig
+from specdraft.drafters.mtp.drafter import MTPDrafter, layer_contexts
+from specdraft.training.clustering import balanced_clusters, cluster_of
+from specdraft.training.data import Sequence
+from specdraft.training.objective import UnrolledLoss, collate, make_head_space
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 2000
+    batch_size: int = 16  # sequences per step
+    anchors_per_seq: int = 64
+    k_steps: int = 4
+    lr: float = 1e-3
+    warmup: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    loss: str = "ce"  # "ce" (the target's emitted tokens) or "kl" (its top-k distribution)
+    step_decay: float = 0.8
+    cluster_weight: float = 0.2
+    shortlist_size: int = 32768
+    eval_every: int = 250
+    save_every: int = 250
+    seed: int = 0
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def shortlist_from(seqs: list[Sequence], size: int) -> torch.Tensor:
+    """The `size` tokens the target produces most often (answer tokens and its top-k guesses)."""
+    counts: Counter[int] = Counter()
+    for s in seqs:
+        counts.update(s.tokens[s.prompt_length :].tolist())
+        counts.update(s.topk_ids[s.prompt_length - 1 :, :4].flatten().tolist())
+    return torch.tensor(sorted(t for t, _ in counts.most_common(size)), dtype=torch.long)
+
+
+def autocast_for(device: torch.device):
+    from specdraft.device import cpu_has_bf16_units
+
+    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_units()):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
+
+
+class Trainer:
+    def __init__(self, target_rt, out_dir: Path, cfg: TrainConfig, drafter_cfg: MTPConfig,
+                 train: list[Sequence], held_out: list[Sequence], log=print):
+        self.rt, self.out, self.cfg, self.log = target_rt, out_dir, cfg, log
+        self.target = target_rt.model
+        self.device = target_rt.device
+        self.train_seqs, self.held_out = train, held_out
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.ckpt = out_dir / "checkpoint"
+        resume = (self.ckpt / "state.json").exists()
+        if resume:
+            drafter_cfg = read_drafter_config(self.ckpt)
+        self.sources = kv_sources(drafter_cfg, self.target)
+        self.kv_heads = {s.slot: s.num_kv_heads for s in self.sources}
+        self.net = self._build(drafter_cfg, resume).to(self.device)
+        self.space = self._head_space(resume)
+        decay = [p for n, p in self.net.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.net.named_parameters() if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        self.step = 0
+        self.history: list[dict] = []
+        if resume:
+            self._load_checkpoint()
+        self.loss_fn = UnrolledLoss(self.net, self.target, self.sources, self.space, cfg.k_steps, cfg.loss,
+                                    cfg.step_decay, cfg.cluster_weight)
+        if dist.is_initialized():
+            self.loss_fn = torch.nn.parallel.DistributedDataParallel(self.loss_fn)
+
+    # --- setup ----------------------------------------------------------------------------
+    def _build(self, cfg: MTPConfig, resume: bool) -> MTPNetwork:
+        net = init_network(cfg, self.target, seed=self.cfg.seed)
+        if resume:
+            with safe_open(str(self.ckpt / "model.safetensors"), framework="pt") as f:
+                net.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
+        elif net.masked_embedding is not None:
+            table = self.target.head_weight.detach().cpu()
+            net.masked_embedding.token_ordering.copy_(balanced_clusters(table, cfg.num_centroids,
+                                                                         progress=self.rank == 0))
+        return net.float()
+
+    def _head_space(self, resume: bool):
+        path = self.ckpt / "shortlist.safetensors"
+        if resume and path.exists():
+            with safe_open(str(path), framework="pt") as f:
+                shortlist = f.get_tensor("shortlist")
+        else:
+            shortlist = shortlist_from(self.train_seqs, self.cfg.shortlist_size)
+        clusters = None
+        if self.net.masked_embedding is not None:
+            clusters = cluster_of(self.net.masked_embedding.token_ordering.cpu(), self.net.config.num_centroids)
+        space = make_head_space(shortlist, self.net.config.vocab_size, clusters)
+        return space
+
+    # --- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self) -> None:
+        if self.rank != 0:
+            return
+        tmp = self.ckpt.with_name("checkpoint.tmp")
+        save_network(self.net, tmp)
+        moments = {}
+        names = {id(p): n for n, p in self.net.named_parameters()}
+        for group in self.opt.param_groups:
+            for p in group["params"]:
+                st = self.opt.state.get(p)
+                if st:
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        moments[f"{names[id(p)]}.{key}"] = st[key].detach().cpu().contiguous()
+                    moments[f"{names[id(p)]}.step"] = torch.as_tensor(st["step"]).float().reshape(1)
+        save_file(moments, str(tmp / "optimizer.safetensors"))
+        save_file({"shortlist": self.space.shortlist}, str(tmp / "shortlist.safetensors"))
+        (tmp / "state.json").write_text(json.dumps({"step": self.step, "history": self.history,
+                                                    "train_config": asdict(self.cfg)}, indent=1))
+        if self.ckpt.exists():
+            for f in self.ckpt.iterdir():
+                f.unlink()
+            self.ckpt.rmdir()
+        tmp.rename(self.ckpt)
+
+    def _load_checkpoint(self) -> None:
+        state = json.loads((self.ckpt / "state.json").read_text())
+        self.step, self.history = state["step"], state["history"]
+        params = dict(self.net.named_parameters())
+        with safe_open(str(self.ckpt / "optimizer.safetensors"), framework="pt") as f:
+            keys = set(f.keys())
+            for name, p in params.items():
+                if f"{name}.exp_avg" in keys:
+                    self.opt.state[p] = {
+                        "step": f.get_tensor(f"{name}.step").reshape(()),
+                        "exp_avg": f.get_tensor(f"{name}.exp_avg").to(p.device),
+                        "exp_avg_sq": f.get_tensor(f"{name}.exp_avg_sq").to(p.device),
+                    }
+        self.log(f"resumed from {self.ckpt} at step {self.step}")
+
+    # --- training -------------------------------------------------------------------------
+    def batch_for(self, step: int):
+        # Seeded by step and rank: a resumed run draws exactly the batches it would have.
+        rng = random.Random(self.cfg.seed * 7_919 + step * 104_729 + self.rank)
+        seqs = [self.train_seqs[rng.randrange(len(self.train_seqs))] for _ in range(self.cfg.batch_size)]
+        batch = collate(seqs, self.cfg.anchors_per_seq, self.kv_heads, rng, torch.bfloat16)
+        return _to(batch, self.device)
+
+    def train(self) -> dict:
+        cfg = self.cfg
+        self.net.train()
+        started = time.time()
+        bar = tqdm(total=cfg.steps, initial=self.step, desc="training drafter", unit="step", disable=self.rank != 0)
+        while self.step < cfg.steps:
+            for g in self.opt.param_groups:
+                g["lr"] = lr_at(self.step, cfg)
+            batch = self.batch_for(self.step)
+            with autocast_for(self.device):
+                loss, metrics = self.loss_fn(batch)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.net.parameters(), cfg.grad_clip)
+            self.opt.step()
+            self.step += 1
+            acc = (metrics["correct"].float() / metrics["count"].clamp(min=1)).tolist()
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc="/".join(f"{a:.2f}" for a in acc))
+            bar.update(1)
+            if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                self.history.append({"step": self.step, "loss": round(loss.item(), 4), "seconds": round(time.time() - started, 1),
+                                     **self.evaluate()})
+                self.log(json.dumps(self.history[-1]))
+            if self.step % cfg.save_every == 0 or self.step == cfg.steps:
+                self.save_checkpoint()
+        bar.close()
+        return self.history[-1] if self.history else {}
+
+    @torch.no_grad()
+    def evaluate(self, max_sequences: int = 64) -> dict:
+        """Teacher-forced acceptance on held-out greedy answers, through the inference head."""
+        self.net.eval()
+        drafter = MTPDrafter(self.net, self.target, self.sources)
+        seqs = [s for s in self.held_out if s.temperature == 0.0][:max_sequences]
+        with autocast_for(self.device):
+            result = teacher_forced_acceptance(drafter, seqs, self.cfg.k_steps, self.kv_heads, self.device)
+        self.net.train()
+        return result
+
+    def export(self, folder: Path, recipe: dict) -> None:
+        """The final drafter in bf16 (what ships), plus the recipe and metrics."""
+        if self.rank != 0:
+            return
+        net = self.net
+        export = MTPNetwork(net.config)
+        export.load_state_dict(net.state_dict())
+        export.to(torch.bfloat16)  # token_ordering stays int64: .to(dtype) only casts floating tensors
+        save_network(export, folder)
+        (folder / "training.json").write_text(json.dumps({**recipe, "history": self.history}, indent=1) + "\n")
+
+
+def _to(batch, device: torch.device):
+    if device.type == "cpu":
+        return batch
+    for name, value in vars(batch).items():
+        if isinstance(value, torch.Tensor):
+            setattr(batch, name, value.to(device))
+        elif isinstance(value, dict):
+            setattr(batch, name, {k: v.to(device) for k, v in value.items()})
+    return batch
+
+
+def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps: int, kv_heads: dict[int, int],
+                              device: torch.device, chunk: int = 8) -> dict:
+    """For every answer position t: draft K steps from (x(t+1), h_t) with the real inference
+    head, count the leading steps whose pick equals the target's argmax. Returns the implied
+    tau for this K, acceptance per position, and cluster recall per position."""
+    if not seqs:
+        return {}
+    accepted_prefix, anchors_total = 0, 0
+    pos_ok = torch.zeros(k_steps)
+    pos_seen = torch.zeros(k_steps)
+    recall = torch.zeros(k_steps)
+    valid_seen = torch.zeros(k_steps)
+    target = drafter.target
+    dtype = target.head_weight.dtype
+    for start in range(0, len(seqs), chunk):
+        group = seqs[start : start + chunk]
+        n_anchor = max(len(s.tokens) - s.prompt_length for s in group)
+        batch = _to(collate(group, n_anchor, kv_heads, random.Random(0), dtype), device)
+        contexts = layer_contexts(drafter.sources, batch.keys, batch.values, batch.anchors, dtype)
+        state = batch.hidden.gather(1, batch.anchors[:, :, None].expand(-1, -1, batch.hidden.shape[2]))
+        alive = batch.anchor_valid.clone()
+        prefix = torch.zeros_like(batch.anchors)
+        for k in range(k_steps):
+            pos = batch.anchors + 1 + k
+            valid = batch.anchor_valid & (pos <= batch.lengths[:, None] - 1)
+            pos = pos.clamp(max=batch.tokens.shape[1] - 1)
+            z, state = drafter.net.step(target.embed(batch.tokens.gather(1, pos)), state, contexts)
+            b, a = pos.shape
+            logits, cands = drafter.logits(z.reshape(b * a, -1), state.reshape(b * a, -1))
+            pick = logits.argmax(-1)
+            pick = (pick if cands is None else cands.gather(1, pick[:, None]).squeeze(1)).view(b, a)
+            want = batch.topk_ids[:, :, 0].gather(1, pos)
+            ok = (pick == want) & valid
+            if cands is not None:
+                recall[k] += ((cands.view(b, a, -1) == want[:, :, None]).any(-1) & valid).sum()
+            valid_seen[k] += valid.sum()
+            pos_seen[k] += (alive & valid).sum()
+            pos_ok[k] += (alive & ok).sum()
+            alive &= ok
+            prefix += alive.long()
+        accepted_prefix += int(prefix[batch.anchor_valid].sum())
+        anchors_total += int(batch.anchor_valid.sum())
+    seen_any = pos_seen.clamp(min=1)
+    return {
+        "tau": round(1 + accepted_prefix / max(1, anchors_total), 4),
+        "acceptance_by_position": [round(x, 4) for x in (pos_ok / seen_any).tolist()],
+        "cluster_recall": [round(x, 4) for x in (recall / valid_seen.clamp(min=1)).tolist()]
+        if drafter.net.masked_embedding is not None else None,
+        "anchors": anchors_total,
+    }
+
+
+def init_distributed() -> bool:
+    """Join the torchrun process group when launched by torchrun (gloo on CPU, nccl on CUDA)."""
+    if "RANK" not in os.environ or dist.is_initialized():
+        return dist.is_initialized()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return True

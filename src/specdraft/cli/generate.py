@@ -73,7 +73,7 @@ def register(sub) -> None:
 def read_prompts(path: Path) -> list[str]:
     """Prompts from a text file (one per line) or JSONL ("prompt", or Spec-Bench "turns")."""
     try:
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        lines = [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
     except FileNotFoundError:
         raise SpecdraftError(f"prompts file {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -145,7 +145,7 @@ def run(args) -> int:
         on_tokens = _streamer(rt.tokenizer) if stream else None
         t0 = time.perf_counter()
         results = engine.generate(ids, args.max_new_tokens, sampling, tuple(args.stop), on_tokens=on_tokens)
-        for prompt, r in zip(batch, results):
+        for j, (prompt, r) in enumerate(zip(batch, results)):
             all_stats.append(r.stats)
             if args.json:
                 print(json.dumps(_record(prompt, r, rt, kind, k)), flush=True)
@@ -153,7 +153,7 @@ def run(args) -> int:
                 print(flush=True)
                 print(summary_line(r.stats, r.seconds, kind, k), file=sys.stderr)
             else:
-                print(f"=== prompt {start + batch.index(prompt) + 1} ===\n{r.text}", flush=True)
+                print(f"=== prompt {start + j + 1} ===\n{r.text}", flush=True)
         if not args.json and not stream:
             total = merge([r.stats for r in results])
             print(summary_line(total, time.perf_counter() - t0, kind, k), file=sys.stderr)

@@ -18,6 +18,10 @@ DEFAULT_K = 4
 
 def shipped_drafter_path(model_name: str) -> Path | None:
     """The trained MTP drafter that ships with the package for a preset, if any."""
+    from specdraft.loading.presets import PRESETS
+
+    if model_name not in PRESETS:  # a folder or .gguf path: joinpath would return the path itself
+        return None
     folder = resources.files("specdraft").joinpath("drafters", "shipped", model_name)
     path = Path(str(folder))
     return path if (path / "config.json").exists() else None

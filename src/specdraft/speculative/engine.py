@@ -200,11 +200,17 @@ class Engine:
         if len(row.ids) >= max_new and not row.done:
             row.done, row.finish_reason = True, "length"
         if stop and self.tokenizer is not None:
-            text = self._decode(row.ids)
-            cut = min((text.find(s) for s in stop if s in text), default=-1)
-            if cut >= 0:
-                row.text = text[:cut]
-                row.done, row.finish_reason = True, "stop"
+            # Token by token, as plain decoding checks: keep no tokens past the one that completes
+            # a stop string, so token_ids do not depend on how many tokens a round emitted.
+            for end in range(len(row.ids) - len(new) + 1, len(row.ids) + 1):
+                text = self._decode(row.ids[:end])
+                cut = min((text.find(s) for s in stop if s in text), default=-1)
+                if cut >= 0:
+                    new = new[: len(new) - (len(row.ids) - end)]
+                    del row.ids[end:]
+                    row.text = text[:cut]
+                    row.done, row.finish_reason = True, "stop"
+                    break
         if on_tokens is not None and new:
             on_tokens(i, new)
         if row.done:

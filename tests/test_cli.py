@@ -1,0 +1,221 @@
+"""`specdraft generate` in-process: help text, one-line errors with exit code 2 (never a
+traceback), and a working tiny-model run with --json and streaming output."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import make_tiny, write_word_tokenizer
+from specdraft.cli.main import main
+from specdraft.drafters.mtp import drafter_config_for, init_network, save_network
+from specdraft.speculative.engine import Engine
+from specdraft.tokenizer import Tokenizer
+
+FLAGS = ["--model", "--dtype", "--device", "--drafter", "--drafter-path", "--draft-tokens", "--max-new-tokens",
+         "--temperature", "--top-p", "--top-k", "--seed", "--stop", "--prompts-file", "--batch-size", "--chat",
+         "--json"]
+JSON_FIELDS = ["prompt", "text", "token_ids", "new_tokens", "seconds", "tokens_per_second", "model", "dtype",
+               "drafter", "draft_tokens", "mean_accepted", "acceptance_by_position", "target_forwards"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama folder (config, safetensors, tokenizer) with a 64-token context."""
+    return make_tiny(tmp_path_factory.mktemp("cli") / "tiny", "llama", seed=31, max_position_embeddings=64).folder
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()  # drop what fixtures printed (transformers' save progress bars)
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def base(model_dir: Path, *extra: str) -> list[str]:
+    return ["generate", "w1 w2 w3", "--model", str(model_dir), "--dtype", "float32", "--device", "cpu", *extra]
+
+
+def assert_one_line_error(code: int, err: str, *needles: str) -> None:
+    assert code == 2
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specdraft: error: "), err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_generate_help_mentions_every_flag(capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for flag in FLAGS:
+        assert flag in out, flag
+    for kind in ("auto", "none", "mtp", "ngram", "draft-model"):
+        assert kind in out
+
+
+def test_unknown_model(capsys) -> None:
+    code, _, err = run(capsys, "generate", "hi", "--model", "no-such-model")
+    assert_one_line_error(code, err, "unknown model 'no-such-model'")
+
+
+def test_missing_prompts_file(capsys, model_dir, tmp_path) -> None:
+    code, _, err = run(capsys, "generate", "--prompts-file", str(tmp_path / "nope.txt"), "--model", str(model_dir))
+    assert_one_line_error(code, err, "nope.txt", "does not exist")
+
+
+def test_corrupt_model_folder(capsys, model_dir, tmp_path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    data = (bad / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) // 3])
+    code, _, err = run(capsys, *base(bad))
+    assert_one_line_error(code, err, "model.safetensors", "truncated or corrupt")
+    (bad / "config.json").write_text("{")
+    code, _, err = run(capsys, *base(bad))
+    assert_one_line_error(code, err, "config.json", "invalid JSON")
+
+
+def test_prompt_longer_than_context(capsys, model_dir) -> None:
+    long_prompt = " ".join(f"w{i % 50}" for i in range(70))
+    code, _, err = run(capsys, "generate", long_prompt, "--model", str(model_dir), "--dtype", "float32")
+    assert_one_line_error(code, err, "exceeds the model's context of 64 tokens")
+    # The prompt fits, but not with the new tokens.
+    code, _, err = run(capsys, *base(model_dir, "--max-new-tokens", "62"))
+    assert_one_line_error(code, err, "4 tokens + 62 new tokens exceeds")
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--top-p", "0"], "top-p must be in (0, 1]"),
+    (["--top-p", "1.5"], "top-p must be in (0, 1]"),
+    (["--top-k", "-2"], "top-k must be >= 0"),
+    (["--batch-size", "0"], "--batch-size must be >= 1"),
+    (["--drafter", "ngram", "--draft-tokens", "0"], "--draft-tokens must be >= 1"),
+    (["--drafter", "ngram", "--draft-tokens", "1000"], "--draft-tokens must be between 1 and 32, got 1000"),
+    (["--drafter", "mtp"], "--drafter mtp needs --drafter-path"),
+    (["--drafter", "draft-model"], "--drafter draft-model needs --drafter-path"),
+    (["--device", "tpu"], "unknown device 'tpu'"),
+])
+def test_bad_arguments_give_one_line(capsys, model_dir, args, needle) -> None:
+    code, out, err = run(capsys, *base(model_dir, *args))
+    assert_one_line_error(code, err, needle)
+    assert out == ""
+
+
+def test_unknown_drafter_kind_is_an_argparse_error(capsys, model_dir) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(base(model_dir, "--drafter", "bogus"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'bogus'" in err and "Traceback" not in err
+
+
+def test_no_prompt(capsys, model_dir) -> None:
+    code, _, err = run(capsys, "generate", "--model", str(model_dir))
+    assert_one_line_error(code, err, "no prompt")
+
+
+def test_drafter_that_does_not_fit_the_target(capsys, model_dir, tmp_path) -> None:
+    other = make_tiny(tmp_path / "other", "llama", seed=32, hidden_size=48, head_dim=8)
+    cfg = drafter_config_for(other.ours, hidden=32, layers=2, heads=4)
+    save_network(init_network(cfg, other.ours), tmp_path / "drafter")
+    code, _, err = run(capsys, *base(model_dir, "--drafter", "mtp", "--drafter-path", str(tmp_path / "drafter")))
+    assert_one_line_error(code, err, "drafter does not fit this target", "backbone_hidden_size 48 != target hidden size 64",
+                          "head_dim 8 != target layer 2 head_dim 16")
+    code, _, err = run(capsys, *base(model_dir, "--drafter", "mtp", "--drafter-path", str(tmp_path / "nothing")))
+    assert_one_line_error(code, err, "is not a folder")
+
+
+def test_draft_model_with_a_different_tokenizer(capsys, model_dir, tmp_path) -> None:
+    # Same architecture and vocabulary size; only the token -> id mapping differs.
+    other = make_tiny(tmp_path / "draft", "llama", seed=33, max_position_embeddings=64)
+    write_word_tokenizer(other.folder, 128, permute_seed=1)
+    code, _, err = run(capsys, *base(model_dir, "--drafter", "draft-model", "--drafter-path", str(other.folder)))
+    assert_one_line_error(code, err, "tokenizer differs")
+    # The same model with the same tokenizer is accepted as a draft model.
+    same = tmp_path / "same"
+    shutil.copytree(model_dir, same)
+    code, out, err = run(capsys, *base(model_dir, "--drafter", "draft-model", "--drafter-path", str(same),
+                                       "--max-new-tokens", "5", "--json"))
+    assert code == 0 and json.loads(out)["drafter"] == "draft-model"
+
+
+def expected_ids(model_dir: Path, prompts: list[str], n: int) -> list[list[int]]:
+    from conftest import load_ours
+
+    model, cfg = load_ours(model_dir)
+    tok = Tokenizer(model_dir, cfg.eos_token_ids)
+    return [r.token_ids for r in Engine(model, tok).generate([tok.encode(p) for p in prompts], n)]
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_json_run(capsys, model_dir, tmp_path, drafter) -> None:
+    prompts = ["w1 w2 w3 w1 w2", "The quick brown fox", "w7"]
+    (tmp_path / "prompts.txt").write_text("\n".join(prompts) + "\n")
+    code, out, err = run(capsys, "generate", "--prompts-file", str(tmp_path / "prompts.txt"), "--model", str(model_dir),
+                         "--dtype", "float32", "--device", "cpu", "--drafter", drafter, "--draft-tokens", "3",
+                         "--max-new-tokens", "12", "--batch-size", "2", "--json")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 3
+    records = [json.loads(line) for line in lines]
+    want = expected_ids(model_dir, prompts, 12)
+    tok = Tokenizer(model_dir)
+    for prompt, rec, ids in zip(prompts, records, want):
+        assert set(JSON_FIELDS) <= set(rec), set(JSON_FIELDS) - set(rec)
+        assert rec["prompt"] == prompt
+        assert rec["token_ids"] == ids
+        assert rec["text"] == tok.decode(ids)
+        assert rec["new_tokens"] == len(ids)
+        assert rec["model"] == str(model_dir) and rec["dtype"] == "float32"
+        assert rec["drafter"] == drafter
+        assert rec["draft_tokens"] == (3 if drafter == "ngram" else 0)
+        assert len(rec["acceptance_by_position"]) == rec["draft_tokens"]
+        assert 1 <= rec["target_forwards"] <= rec["new_tokens"]
+        assert rec["mean_accepted"] == pytest.approx(rec["new_tokens"] / rec["target_forwards"], abs=1e-4)
+        assert rec["seconds"] > 0 and rec["tokens_per_second"] > 0
+        if drafter == "none":
+            assert rec["target_forwards"] == rec["new_tokens"]
+
+
+def test_streaming_run(capsys, model_dir) -> None:
+    code, out, err = run(capsys, *base(model_dir, "--max-new-tokens", "8", "--drafter", "ngram"))
+    assert code == 0
+    ids = expected_ids(model_dir, ["w1 w2 w3"], 8)[0]
+    assert out == Tokenizer(model_dir).decode(ids) + "\n"
+    assert err.startswith("[specdraft] ") and "drafter ngram K=4" in err
+
+
+def test_models_lists_presets(capsys, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    code, out, _ = run(capsys, "models")
+    assert code == 0
+    assert f"cache: {tmp_path}" in out and "gemma3-270m (default)" in out and "not converted yet" in out
+
+
+def test_default_drafter_on_a_model_folder_is_plain_decoding(capsys, model_dir) -> None:
+    """--drafter auto (the default) only looks for shipped drafters of presets; a model folder
+    (whose own config.json once passed for a shipped drafter) decodes plainly."""
+    code, out, err = run(capsys, *base(model_dir, "--max-new-tokens", "3", "--json"))
+    assert code == 0, err
+    rec = json.loads(out)
+    assert rec["drafter"] == "none" and rec["draft_tokens"] == 0 and rec["new_tokens"] == 3
+
+
+def test_batched_text_output_numbers_every_prompt(capsys, model_dir, tmp_path) -> None:
+    """Without --json, a batch prints '=== prompt N ===' per prompt, numbered by position even
+    when two prompts are identical; the batch summary goes to stderr."""
+    (tmp_path / "p.txt").write_text("w1 w2\nw3\nw1 w2\n")
+    code, out, err = run(capsys, "generate", "--prompts-file", str(tmp_path / "p.txt"), "--model", str(model_dir),
+                         "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "4", "--batch-size", "3")
+    assert code == 0, err
+    headers = [line for line in out.splitlines() if line.startswith("=== prompt")]
+    assert headers == ["=== prompt 1 ===", "=== prompt 2 ===", "=== prompt 3 ==="]
+    assert err.startswith("[specdraft] 12 tokens") and "plain decoding" in err

@@ -1,0 +1,261 @@
+"""The speculative engine in greedy fp32: output identical to plain decoding, token for token,
+for every drafter kind, K, batch size, with ragged prompts, EOS mid-batch and the length limit
+reached mid-round; an oracle drafter reaches tau = K + 1; the statistics add up.
+
+Target: the tiny Gemma 3 model (sliding window 8, so every run goes past the window).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import TinyModel, OracleDrafter, load_ours, prompts_of
+from specdraft.drafters.draft_model import DraftModelDrafter
+from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+from specdraft.drafters.ngram import NgramDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.speculative.engine import Engine
+
+MAX_NEW = 30
+LENGTHS = {1: [9], 3: [4, 13, 1], 8: [6, 2, 15, 9, 1, 11, 4, 7]}
+KS = [1, 3, 7]
+DRAFTERS = ["ngram", "draft-model-self", "draft-model-noisy", "mtp-dense-own", "mtp-dense-target",
+            "mtp-clustered-own", "mtp-clustered-target", "oracle-noisy"]
+
+
+def batch_prompts(tiny: TinyModel, b: int) -> list[list[int]]:
+    prompts = prompts_of(LENGTHS[b], tiny.cfg.vocab_size, seed=100 + b)
+    # Give the n-gram drafter something to find: repeat a chunk inside the longer prompts.
+    return [p + p[:5] if len(p) > 8 else p for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def plain(gemma_tiny: TinyModel):
+    """Plain greedy outputs per batch size, long enough for an oracle to look K ahead."""
+    engine = Engine(gemma_tiny.ours)
+    out = {}
+    for b in LENGTHS:
+        prompts = batch_prompts(gemma_tiny, b)
+        results = engine.generate(prompts, MAX_NEW + 8, eos_token_ids=[])
+        out[b] = (prompts, [r.token_ids for r in results])
+    return out
+
+
+@pytest.fixture(scope="module")
+def drafter_factory(gemma_tiny: TinyModel, tmp_path_factory):
+    target = gemma_tiny.ours
+    folder = tmp_path_factory.mktemp("drafters")
+    mtp = {}
+    for name, head, clustered in [("mtp-dense-own", "own", False), ("mtp-dense-target", "target", False),
+                                  ("mtp-clustered-own", "own", True), ("mtp-clustered-target", "target", True)]:
+        cfg = drafter_config_for(target, hidden=32, layers=2, heads=4, head=head, clustered=clustered,
+                                 num_centroids=16 if clustered else None, top_k_clusters=4)
+        save_network(init_network(cfg, target, seed=len(mtp), std=0.1), folder / name)
+        mtp[name] = load_mtp_drafter(folder / name, target, torch.float32, "cpu")
+    # A draft model that often agrees with the target: the target with every weight scaled by
+    # 1 + N(0, 0.07) (acceptance ~50% at position 1, falling with position).
+    noisy, _ = load_ours(gemma_tiny.folder)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.mul_(1 + torch.randn(p.shape, generator=gen) * 0.07)
+
+    def make(name: str, sequences: list[list[int]]):
+        if name == "ngram":
+            return NgramDrafter()
+        if name == "draft-model-self":
+            return DraftModelDrafter(target)  # the target as its own draft model: all accepted
+        if name == "draft-model-noisy":
+            return DraftModelDrafter(noisy)
+        if name.startswith("mtp"):
+            return mtp[name]
+        if name == "oracle-noisy":
+            return OracleDrafter(sequences, noise=0.3, seed=1, vocab=gemma_tiny.cfg.vocab_size)
+        raise KeyError(name)
+
+    return make
+
+
+def full_sequences(prompts, outputs):
+    return [list(p) + list(o) for p, o in zip(prompts, outputs)]
+
+
+class Recorder:
+    """on_tokens callback: the tokens each round emitted, per row."""
+
+    def __init__(self, b: int):
+        self.calls: list[list[list[int]]] = [[] for _ in range(b)]
+
+    def __call__(self, row: int, ids: list[int]) -> None:
+        self.calls[row].append(list(ids))
+
+
+def check_stats(results, rec: Recorder, k: int, max_new: int) -> None:
+    """Statistics agree with what was actually emitted round by round."""
+    for i, r in enumerate(results):
+        s, calls = r.stats, rec.calls[i]
+        assert [t for c in calls for t in c] == r.token_ids
+        assert s.new_tokens == len(r.token_ids) <= max_new
+        # One target forward (prefill or verify) per emitting round; each emits 1..K+1 tokens.
+        assert s.target_forwards == len(calls)
+        assert all(1 <= len(c) <= k + 1 for c in calls) and len(calls[0]) == 1
+        assert s.new_tokens == s.accepted + s.target_forwards
+        assert s.accepted == sum(len(c) - 1 for c in calls)
+        assert len(s.drafted_by_position) == len(s.accepted_by_position) == k
+        # Acceptance is a prefix: counts never increase with position, never exceed drafted.
+        acc, dr = s.accepted_by_position, s.drafted_by_position
+        assert all(a <= d for a, d in zip(acc, dr))
+        assert all(acc[j + 1] <= acc[j] for j in range(k - 1))
+        # Per position, rounds whose emission shows >= j+1 accepted drafts; only the final round
+        # can have accepted more than it emitted (cut by EOS or the length limit).
+        for j in range(k):
+            shown = sum(1 for c in calls[1:] if len(c) - 1 > j)
+            assert shown <= acc[j] <= shown + 1
+        assert sum(acc) >= s.accepted
+        assert s.mean_accepted == pytest.approx(s.new_tokens / s.target_forwards)
+
+
+@pytest.mark.parametrize("b", list(LENGTHS))
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_greedy_speculative_equals_plain(name: str, k: int, b: int, gemma_tiny, plain, drafter_factory) -> None:
+    prompts, outputs = plain[b]
+    expected = [o[:MAX_NEW] for o in outputs]
+    drafter = drafter_factory(name, full_sequences(prompts, outputs))
+    rec = Recorder(b)
+    results = Engine(gemma_tiny.ours, None, drafter, k).generate(prompts, MAX_NEW, eos_token_ids=[], on_tokens=rec)
+    assert [r.token_ids for r in results] == expected
+    assert all(r.finish_reason == "length" for r in results)
+    check_stats(results, rec, k, MAX_NEW)
+    if name == "draft-model-self":
+        # Drafts are the target's own greedy tokens: every draft accepted, tau = K + 1.
+        for r in results:
+            assert r.stats.target_forwards == 1 + math.ceil((MAX_NEW - 1) / (k + 1))
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft-model-noisy", "mtp-clustered-target", "oracle-noisy", "none"])
+def test_eos_mid_batch(name: str, gemma_tiny, plain, drafter_factory) -> None:
+    prompts, outputs = plain[8]
+    # An EOS id that one row emits mid-way (and not before).
+    row = max(range(8), key=lambda i: len(set(outputs[i][:MAX_NEW])))
+    j = next(j for j in range(MAX_NEW // 3, MAX_NEW) if outputs[row][j] not in outputs[row][:j])
+    eos = outputs[row][j]
+    expected, reasons = [], []
+    for o in outputs:
+        o = o[:MAX_NEW]
+        cut = o.index(eos) + 1 if eos in o else MAX_NEW
+        expected.append(o[:cut])
+        reasons.append("eos" if eos in o else "length")
+    assert "eos" in reasons and "length" in reasons, "the batch should mix rows ending by EOS and by length"
+    drafter = None if name == "none" else drafter_factory(name, full_sequences(prompts, outputs))
+    rec = Recorder(8)
+    results = Engine(gemma_tiny.ours, None, drafter, 3).generate(prompts, MAX_NEW, eos_token_ids=[eos], on_tokens=rec)
+    assert [r.token_ids for r in results] == expected
+    assert [r.finish_reason for r in results] == reasons
+    check_stats(results, rec, 3 if drafter else 0, MAX_NEW)
+
+
+@pytest.mark.parametrize("k", KS)
+def test_oracle_reaches_k_plus_one(k: int, gemma_tiny, plain) -> None:
+    prompts, outputs = plain[3]
+    max_new = 2 + 3 * (k + 1)  # 1 prefill token, 3 full rounds, then a partial round of 1
+    oracle = OracleDrafter(full_sequences(prompts, outputs))
+    rec = Recorder(3)
+    results = Engine(gemma_tiny.ours, None, oracle, k).generate(prompts, max_new, eos_token_ids=[], on_tokens=rec)
+    for i, r in enumerate(results):
+        assert r.token_ids == outputs[i][:max_new]
+        assert [len(c) for c in rec.calls[i]] == [1, k + 1, k + 1, k + 1, 1]  # last round cut by the limit
+        s = r.stats
+        assert s.target_forwards == 5
+        assert s.drafted_by_position == s.accepted_by_position == [4] * k
+        assert s.acceptance_by_position == [1.0] * k
+        assert s.mean_accepted == pytest.approx(max_new / 5)
+    check_stats(results, rec, k, max_new)
+
+
+def test_max_new_tokens_reached_mid_round(gemma_tiny, plain) -> None:
+    """Every limit from 1 to 17 with K = 7: most end inside a round; output = plain prefix."""
+    prompts, outputs = plain[3]
+    for max_new in range(1, 18):
+        oracle = OracleDrafter(full_sequences(prompts, outputs))
+        results = Engine(gemma_tiny.ours, None, oracle, 7).generate(prompts, max_new, eos_token_ids=[])
+        assert [r.token_ids for r in results] == [o[:max_new] for o in outputs]
+        assert all(r.stats.target_forwards == 1 + math.ceil((max_new - 1) / 8) for r in results)
+
+
+def test_rows_finishing_early_do_not_disturb_others(gemma_tiny, plain) -> None:
+    """One row stops at its first token (EOS), others keep drafting with a perfect oracle."""
+    prompts, outputs = plain[3]
+    eos = outputs[0][0]
+    expected = [o[: o.index(eos) + 1] if eos in o[:MAX_NEW] else o[:MAX_NEW] for o in outputs]
+    oracle = OracleDrafter(full_sequences(prompts, outputs))
+    results = Engine(gemma_tiny.ours, None, oracle, 3).generate(prompts, MAX_NEW, eos_token_ids=[eos])
+    assert [r.token_ids for r in results] == expected
+    assert results[0].token_ids == [eos] and results[0].stats.target_forwards == 1
+    # The finished row was never counted as drafted after it stopped.
+    assert results[0].stats.drafted_by_position == [0, 0, 0]
+
+
+def test_stop_strings_and_tokenizer_path(tmp_path) -> None:
+    """Through a real tokenizer: EOS comes from tokenizer_config.json, stop strings cut text."""
+    from conftest import make_tiny
+    from specdraft.tokenizer import Tokenizer
+
+    tiny = make_tiny(tmp_path / "m", "llama", seed=21)
+    tok = Tokenizer(tiny.folder, tiny.cfg.eos_token_ids)
+    assert tok.eos_token_ids == [1]
+    engine = Engine(tiny.ours, tok, NgramDrafter(), 3)
+    prompt = tok.encode("w1 w2 w3 w1 w2")
+    base = engine.generate([prompt], 20)[0]
+    if base.finish_reason == "eos":
+        assert base.token_ids[-1] == 1
+    words = tok.decode(base.token_ids).split()
+    assert len(words) >= 4
+    stop = " ".join(words[2:4])
+    cut = engine.generate([prompt], 20, stop=(stop,))[0]
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    full = tok.decode(base.token_ids)
+    assert cut.text == full[: full.find(stop)]  # the text before the stop string, exactly
+    assert cut.token_ids == base.token_ids[: len(cut.token_ids)]
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_stop_string_cuts_at_the_same_token_with_any_drafter(tmp_path, k) -> None:
+    """A round may emit several tokens past a stop string; none of them may be kept: token_ids,
+    text and counts equal plain decoding's (which checks after every token)."""
+    from conftest import make_tiny
+    from specdraft.tokenizer import Tokenizer
+
+    tiny = make_tiny(tmp_path / "m", "llama", seed=21)
+    tok = Tokenizer(tiny.folder, tiny.cfg.eos_token_ids)
+    prompt = tok.encode("w1 w2 w3 w1 w2")
+    base = Engine(tiny.ours, tok).generate([prompt], 20, eos_token_ids=[])[0]
+    words = tok.decode(base.token_ids).split()
+    truth = [prompt + base.token_ids + [0] * 8]
+    for stop in (words[0], words[2], f"{words[5]} {words[6]}", "w"):
+        plain = Engine(tiny.ours, tok).generate([prompt], 20, stop=(stop,), eos_token_ids=[])[0]
+        assert plain.finish_reason == "stop"
+        for drafter in (OracleDrafter(truth), NgramDrafter()):
+            spec = Engine(tiny.ours, tok, drafter, k).generate([prompt], 20, stop=(stop,), eos_token_ids=[])[0]
+            assert (spec.token_ids, spec.text, spec.finish_reason) == (plain.token_ids, plain.text, "stop")
+            assert spec.stats.new_tokens == len(plain.token_ids)
+
+
+def test_engine_rejects_bad_arguments(gemma_tiny) -> None:
+    with pytest.raises(SpecdraftError, match="between 1 and 32"):
+        Engine(gemma_tiny.ours, None, NgramDrafter(), 0)
+    with pytest.raises(SpecdraftError, match="between 1 and 32"):
+        Engine(gemma_tiny.ours, None, NgramDrafter(), 33)
+    engine = Engine(gemma_tiny.ours, None, NgramDrafter(), 3)
+    with pytest.raises(SpecdraftError, match="no prompts"):
+        engine.generate([], 4)
+    with pytest.raises(SpecdraftError, match="empty"):
+        engine.generate([[5], []], 4)
+    with pytest.raises(SpecdraftError, match="max_new_tokens"):
+        engine.generate([[5]], 0)
+    ctx = gemma_tiny.cfg.max_position_embeddings
+    with pytest.raises(SpecdraftError, match="exceeds the model's context"):
+        engine.generate([[5] * (ctx - 3)], 4)

@@ -1,0 +1,90 @@
+"""The real default model (Gemma 3 270M, converted from its GGUF preset) against transformers'
+Gemma3ForCausalLM loaded from the same converted folder, in float32.
+
+Slow: the first run converts the preset into $SPECDRAFT_CACHE (~30 s), and each forward of a
+270M model on a shared CPU takes a while. Measured max abs logits differences are printed
+(run with -s) and asserted <= 1e-3.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.drafters.ngram import NgramDrafter
+from specdraft.runtime import Runtime
+from specdraft.speculative.engine import Engine
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a Python function that checks whether a number is prime:\n\ndef is_prime(n):",
+    "Once upon a time, in a small village by the sea, there lived",
+]
+TOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def rt(real_runtime) -> Runtime:
+    return real_runtime
+
+
+@pytest.fixture(scope="module")
+def hf(rt: Runtime):
+    from transformers import Gemma3ForCausalLM
+
+    model = Gemma3ForCausalLM.from_pretrained(rt.folder, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def ours_logits(rt: Runtime, ids: list[int]) -> torch.Tensor:
+    cache = rt.model.new_cache(1, len(ids))
+    with torch.inference_mode():
+        return rt.model.logits(rt.model(torch.tensor([ids]), cache))[0]
+
+
+def test_config_is_the_expected_model(rt: Runtime) -> None:
+    cfg = rt.config
+    assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == ("gemma3", 18, 640, 262144)
+    assert cfg.sliding_window == 512 and cfg.layer_types.count("full_attention") == 3
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_logits_match_transformers(rt: Runtime, hf, prompt: str) -> None:
+    ids = rt.tokenizer.encode(prompt)
+    assert ids[0] == 2  # <bos>
+    ours = ours_logits(rt, ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    diff = (ours - ref).abs().max().item()
+    print(f"\n[real model] {len(ids)} tokens: max abs logits diff {diff:.3g} (logits range {ref.abs().max():.1f})")
+    assert diff <= TOL
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_logits_match_past_the_sliding_window(rt: Runtime, hf) -> None:
+    """A 600-token prompt: the sliding layers (window 512) really cut the context."""
+    text = " ".join(PROMPTS * 30)
+    ids = rt.tokenizer.encode(text)[:600]
+    assert len(ids) == 600 > rt.config.sliding_window
+    ours = ours_logits(rt, ids)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    diff = (ours - ref).abs().max().item()
+    print(f"\n[real model] 600 tokens: max abs logits diff {diff:.3g}")
+    assert diff <= TOL
+
+
+def test_greedy_32_tokens_identical_to_transformers_generate(rt: Runtime, hf) -> None:
+    prompts = [rt.tokenizer.encode(p) for p in PROMPTS[:2]]
+    ours = Engine(rt.model, rt.tokenizer).generate(prompts, 32)
+    spec = Engine(rt.model, rt.tokenizer, NgramDrafter(), 4).generate(prompts, 32)
+    for ids, o, s in zip(prompts, ours, spec):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
+        ref = out[0, len(ids):].tolist()
+        assert o.token_ids == ref
+        assert len(ref) == 32 or ref[-1] in rt.tokenizer.eos_token_ids
+        # Speculative decoding on the real model: the same tokens.
+        assert s.token_ids == ref

@@ -1,0 +1,277 @@
+"""Speculative sampling is lossless: the first three generated tokens follow the target's exact
+distribution, for point-mass (argmax, n-gram) drafts and for drafts sampled through the
+clustered MTP head, with and without top-k/top-p. Negative controls show the test can fail.
+
+Target: a tiny Llama with a 16-token vocabulary. Its exact joint distribution of the first
+three tokens (16^3 cells) is computed from the reference HF model's logits (16 + 256 prefixes in
+one batch), with temperature/top-k/top-p applied by an implementation written here. Samples
+come from many rows of one prompt in a few Engine.generate calls (fixed seeds, so the test is
+deterministic).
+
+Sample size. We want to detect an error of total-variation distance delta = 0.02. For any
+perturbation q of p with TV(p, q) = delta, Cauchy-Schwarz gives
+    sum (p - q)^2 / p  >=  (sum |p - q|)^2 = (2 delta)^2,
+so Pearson's chi-square has non-centrality lambda >= 4 N delta^2 (pooling cells with expected
+count < 5 into one loses a little of this; the pooled mass is < 1% here). With N = 100,000:
+lambda >= 160. The pooled tables have df ~ 300 (asserted below); the alpha = 1e-3 critical
+value is ~ df + 3.1 sqrt(2 df) ~ 376, while under the alternative the statistic has mean
+df + lambda ~ 460 and sd sqrt(2 (df + 2 lambda)) ~ 35, so the power is ~ 0.99. `detection_power`
+recomputes this for the actual df of each case and the test asserts it is >= 0.98.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import TinyModel, build_hf, load_ours, save_hf
+from specdraft.drafters.base import Draft, Drafter
+from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+from specdraft.drafters.ngram import NgramDrafter
+from specdraft.sampling import SamplingParams
+from specdraft.speculative import engine as engine_module
+from specdraft.speculative.engine import Engine
+
+V = 16
+PROMPT = [5, 9, 5, 9, 7, 5]  # repeats, so the n-gram drafter finds matches
+N = 100_000
+CHUNK = 50_000
+NEGATIVE_N = 20_000  # the negative controls' errors are large (TV several %): fewer samples suffice
+ALPHA = 1e-3
+DELTA = 0.02
+
+
+# ------------------------------------------------------------------ the target and its exact law
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> TinyModel:
+    hf = build_hf("llama", seed=3, std=0.2, vocab_size=V, hidden_size=32, intermediate_size=64,
+                  num_hidden_layers=2, head_dim=8)
+    with torch.no_grad():
+        hf.lm_head.weight.mul_(3.0)  # next-token entropy ~1 nat: ~300 cells carry the joint law
+    folder = save_hf(hf, tmp_path_factory.mktemp("v16"), tokenizer=False)
+    ours, cfg = load_ours(folder)
+    return TinyModel("llama", folder, hf, ours, cfg)
+
+
+def reference_filter(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """Independent temperature / top-k / top-p: keep the k best (ties at the k-th kept), then the
+    shortest best-first prefix whose mass reaches top_p; renormalise. float64, one row at a time."""
+    out = torch.zeros(logits.shape, dtype=torch.float64)
+    for idx in range(logits.shape[0]):
+        z = logits[idx].double() / temperature
+        keep = torch.ones(V, dtype=torch.bool)
+        if top_k:
+            kth = sorted(z.tolist(), reverse=True)[top_k - 1]
+            keep &= z >= kth
+        p = torch.where(keep, z, torch.tensor(-math.inf, dtype=torch.float64)).softmax(-1)
+        if top_p < 1.0:
+            order = sorted(range(V), key=lambda t: -p[t].item())
+            mass, chosen = 0.0, []
+            for t in order:
+                chosen.append(t)
+                mass += p[t].item()
+                if mass >= top_p:
+                    break
+            mask = torch.zeros(V, dtype=torch.bool)
+            mask[chosen] = True
+            p = torch.where(mask, p, torch.zeros((), dtype=torch.float64))
+            p = p / p.sum()
+        out[idx] = p
+    return out
+
+
+def exact_joint(target: TinyModel, temperature=1.0, top_k=0, top_p=1.0) -> torch.Tensor:
+    """P(t1, t2, t3) [V^3] under the target alone, from the HF model's logits."""
+    seqs = torch.tensor([PROMPT + [a, b] for a in range(V) for b in range(V)])
+    with torch.no_grad():
+        logits = target.hf(seqs).logits.float()
+    n = len(PROMPT)
+    p1 = reference_filter(logits[:1, n - 1], temperature, top_k, top_p)[0]
+    p2 = reference_filter(logits[::V, n], temperature, top_k, top_p)  # [t1, t2]
+    p3 = reference_filter(logits[:, n + 1], temperature, top_k, top_p).view(V, V, V)  # [t1, t2, t3]
+    return (p1[:, None, None] * p2[:, :, None] * p3).flatten()
+
+
+def sample_counts(target: TinyModel, drafter, k: int, sampling: SamplingParams, n: int, seed: int):
+    """Counts over V^3 of the first three tokens of n rows; also the merged acceptance stats."""
+    counts = torch.zeros(V**3, dtype=torch.long)
+    drafted = accepted = 0
+    engine = Engine(target.ours, None, drafter, k)
+    for c in range(0, n, CHUNK):
+        params = SamplingParams(sampling.temperature, sampling.top_k, sampling.top_p, seed=seed + c)
+        results = engine.generate([PROMPT] * min(CHUNK, n - c), 3, params, eos_token_ids=[])
+        ids = torch.tensor([r.token_ids for r in results])
+        assert ids.shape[1] == 3
+        counts += torch.bincount(ids[:, 0] * V * V + ids[:, 1] * V + ids[:, 2], minlength=V**3)
+        drafted += sum(r.stats.drafted for r in results)
+        accepted += sum(sum(r.stats.accepted_by_position) for r in results)
+    return counts, (accepted / drafted if drafted else None)
+
+
+def chi_square(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0):
+    """Pearson chi-square with cells of expected count < min_expected pooled into one.
+    Returns (statistic, df, p-value, pooled mass, TV distance of the empirical law)."""
+    n = counts.sum().item()
+    expected = probs * n
+    big = expected >= min_expected
+    obs = torch.cat([counts[big].double(), counts[~big].sum().double()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    if exp[-1] < min_expected:  # pooled cell too small to test on its own: merge into the smallest
+        obs, exp = obs[:-1], exp[:-1]
+        obs[exp.argmin()] += counts[~big].sum()
+        exp[exp.argmin()] += expected[~big].sum()
+    stat = (((obs - exp) ** 2) / exp).sum().item()
+    df = len(obs) - 1
+    p_value = torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64),
+                                      torch.tensor(stat / 2, dtype=torch.float64)).item()
+    tv = 0.5 * (counts.double() / n - probs).abs().sum().item()
+    return stat, df, p_value, expected[~big].sum().item() / n, tv
+
+
+def detection_power(n: int, df: int, delta: float = DELTA, alpha: float = ALPHA) -> float:
+    """Power (normal approximation to the non-central chi-square) against any TV-delta error."""
+    normal = torch.distributions.Normal(0.0, 1.0)
+    lam = 4 * n * delta**2
+    crit = df + normal.icdf(torch.tensor(1 - alpha)).item() * math.sqrt(2 * df)
+    mean, sd = df + lam, math.sqrt(2 * (df + 2 * lam))
+    return 1 - normal.cdf(torch.tensor((crit - mean) / sd)).item()
+
+
+# ------------------------------------------------------------------ drafters
+
+
+class ArgmaxDrafter(Drafter):
+    """Point-mass drafts (probs None) from a fixed bigram table: the next draft after token t is
+    the target's argmax after PROMPT + [t]. Cheap, and often but not always right."""
+
+    kind = "argmax"
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+
+    def propose(self, inp, k, sampling, generator):
+        tok, out = inp.last_token, []
+        for _ in range(k):
+            tok = self.table[tok]
+            out.append(tok)
+        return Draft(torch.stack(out, 1), torch.where(inp.active, k, 0), None)
+
+
+class WrongQDrafter(Drafter):
+    """NEGATIVE CONTROL: samples from its Q but reports a sharpened Q' (∝ Q^2, same support)."""
+
+    kind = "wrong-q"
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def propose(self, inp, k, sampling, generator):
+        d = self.inner.propose(inp, k, sampling, generator)
+        q = d.probs**2
+        return Draft(d.tokens, d.num_valid, q / q.sum(-1, keepdim=True))
+
+
+@pytest.fixture(scope="module")
+def drafters(target: TinyModel, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("mtp16")
+    # Clustered head: 4 clusters of 4 tokens, the top 2 kept, so Q covers only 8 of 16 tokens and
+    # every other token must come from the residual.
+    cfg = drafter_config_for(target.ours, hidden=32, layers=2, heads=4, head="own", clustered=True,
+                             num_centroids=4, top_k_clusters=2)
+    save_network(init_network(cfg, target.ours, seed=0, std=0.3), folder)
+    mtp = load_mtp_drafter(folder, target.ours, torch.float32, "cpu")
+    with torch.no_grad():
+        seqs = torch.tensor([PROMPT + [t] for t in range(V)])
+        table = target.hf(seqs).logits[:, -1].argmax(-1)
+    return {"mtp": mtp, "argmax": ArgmaxDrafter(table), "ngram": NgramDrafter()}
+
+
+# ------------------------------------------------------------------ the tests
+
+T1 = SamplingParams(1.0)
+FILTERED = SamplingParams(1.0, top_k=6, top_p=0.9)
+
+CASES = {
+    # name: (drafter key, K, sampling, seed)
+    "plain-no-drafter": (None, 0, T1, 5),  # the harness itself: plain sampling must pass too
+    "argmax-point-mass-K2": ("argmax", 2, T1, 10),
+    "ngram-point-mass-K1": ("ngram", 1, T1, 20),
+    "mtp-clustered-sampled-K2": ("mtp", 2, T1, 30),
+    "mtp-clustered-sampled-topk-topp-K1": ("mtp", 1, FILTERED, 40),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_sampling_matches_target_distribution(case: str, target, drafters) -> None:
+    key, k, sampling, seed = CASES[case]
+    probs = exact_joint(target, sampling.temperature, sampling.top_k, sampling.top_p)
+    assert probs.sum().item() == pytest.approx(1.0, abs=1e-9)
+    counts, acceptance = sample_counts(target, drafters[key] if key else None, k, sampling, N, seed)
+    stat, df, p_value, pooled, tv = chi_square(counts, probs)
+    print(f"{case}: chi2 {stat:.1f} / {df} df, p {p_value:.3f}, TV {tv:.4f}, acceptance {acceptance}, "
+          f"power vs TV {DELTA}: {detection_power(N, df):.4f}")
+    assert pooled < 0.01
+    assert detection_power(N, df) >= 0.98, f"df {df} too large for N {N} to detect TV {DELTA}"
+    # Both the accept and the reject paths were taken often (tens of thousands of times). The
+    # random MTP drafter is accepted ~10% of the time, so its case mostly tests the residual
+    # (including tokens outside the kept clusters); the point-mass cases accept ~65%.
+    if key is not None:
+        assert acceptance is not None and 0.05 < acceptance < 0.9, acceptance
+    assert p_value > ALPHA, f"{case}: chi2 {stat:.1f} on {df} df, p = {p_value:.2e}, TV {tv:.4f}"
+
+
+def test_clustered_q_really_excludes_tokens(target, drafters) -> None:
+    """The MTP case is only meaningful if Q misses tokens P gives mass to: check Q's support."""
+    from specdraft.drafters.base import DraftInput
+
+    engine_cache = target.ours.new_cache(4, 16)
+    with torch.inference_mode():
+        hidden = target.ours(torch.tensor([PROMPT] * 4), engine_cache)[:, -1]
+        tokens = torch.zeros(4, 20, dtype=torch.long)
+        tokens[:, : len(PROMPT)] = torch.tensor(PROMPT)
+        inp = DraftInput(torch.tensor([3, 4, 5, 6]), hidden, torch.full((4,), len(PROMPT) - 1), engine_cache,
+                         tokens, torch.ones(4, dtype=torch.bool))
+        d = drafters["mtp"].propose(inp, 2, T1, torch.Generator().manual_seed(0))
+    support = (d.probs > 0).sum(-1)
+    assert (support == 8).all()
+    assert torch.allclose(d.probs.sum(-1), torch.ones(4, 2))
+    assert (d.probs.gather(2, d.tokens[:, :, None]) > 0).all()
+
+
+def test_negative_control_wrong_q_is_detected(target, drafters) -> None:
+    probs = exact_joint(target)
+    counts, _ = sample_counts(target, WrongQDrafter(drafters["mtp"]), 2, T1, NEGATIVE_N, 50)
+    stat, df, p_value, _, tv = chi_square(counts, probs)
+    print(f"wrong Q: chi2 {stat:.1f} / {df} df, p {p_value:.2e}, TV {tv:.4f}")
+    assert p_value < 1e-9, f"a drafter lying about Q went unnoticed (p = {p_value:.2e}, TV {tv:.4f})"
+
+
+def test_negative_control_biased_verifier_is_detected(target, drafters, monkeypatch) -> None:
+    """A verifier that accepts correctly but draws the correction token from P instead of the
+    residual norm(max(P - Q, 0)) (a classic bug) must be caught."""
+    real = engine_module.verify_sampling
+
+    def resamples_from_p(target_probs, drafts, draft_probs, num_valid, generator):
+        n, _ = real(target_probs, drafts, draft_probs, num_valid, generator)
+        rows = torch.arange(drafts.shape[0])
+        return n, torch.multinomial(target_probs[rows, n], 1, generator=generator).squeeze(1)
+
+    monkeypatch.setattr(engine_module, "verify_sampling", resamples_from_p)
+    probs = exact_joint(target)
+    counts, _ = sample_counts(target, drafters["mtp"], 2, T1, NEGATIVE_N, 60)
+    stat, df, p_value, _, tv = chi_square(counts, probs)
+    print(f"biased verifier: chi2 {stat:.1f} / {df} df, p {p_value:.2e}, TV {tv:.4f}")
+    assert p_value < 1e-9, f"a biased verifier went unnoticed (p = {p_value:.2e}, TV {tv:.4f})"
+
+
+def test_plain_sampling_is_seeded_and_speculative_greedy_unaffected(target, drafters) -> None:
+    """Same seed, same tokens; different seed, different tokens (the sampler is really seeded)."""
+    engine = Engine(target.ours, None, drafters["mtp"], 2)
+    a = [r.token_ids for r in engine.generate([PROMPT] * 64, 6, SamplingParams(1.0, seed=5), eos_token_ids=[])]
+    b = [r.token_ids for r in engine.generate([PROMPT] * 64, 6, SamplingParams(1.0, seed=5), eos_token_ids=[])]
+    c = [r.token_ids for r in engine.generate([PROMPT] * 64, 6, SamplingParams(1.0, seed=6), eos_token_ids=[])]
+    assert a == b and a != c

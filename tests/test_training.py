@@ -1,0 +1,136 @@
+"""Drafter training: data, objective, resume, evaluation-set guard, and that it learns."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import make_tiny, word_list
+from specdraft.drafters.mtp import drafter_config_for, load_mtp_drafter, save_network
+from specdraft.errors import SpecdraftError
+from specdraft.runtime import Runtime
+from specdraft.training.data import DataConfig, build_dataset, load_sequences
+from specdraft.training.prompts import EvalGuard, load_prompt_set
+from specdraft.training.trainer import TrainConfig, Trainer
+
+SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train_target")
+    make_tiny(folder, "gemma3", seed=3, max_position_embeddings=256)
+    return Runtime.load(str(folder), "float32", "cpu", progress=False)
+
+
+def word_prompts(n: int, seed: int) -> list[str]:
+    words = word_list(128)[4:]
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(words[i] for i in torch.randint(0, len(words), (int(l),), generator=g).tolist())
+            for l in torch.randint(3, 10, (n,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("train_data")
+    cfg = DataConfig(max_new_tokens=24, batch_size=16, shard_prompts=32, topk=4, temperatures=(0.0,))
+    train = load_sequences(build_dataset(tiny_target, word_prompts(96, 0), root / "train", cfg))
+    held = load_sequences(build_dataset(tiny_target, word_prompts(16, 1), root / "held", cfg))
+    return train, held
+
+
+def small_config(**kw) -> TrainConfig:
+    base = dict(steps=150, batch_size=8, anchors_per_seq=16, k_steps=3, lr=3e-3, warmup=10, eval_every=10**6,
+                save_every=10**6, shortlist_size=128, seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def make_trainer(rt, out: Path, data, cfg: TrainConfig) -> Trainer:
+    dcfg = drafter_config_for(rt.model, hidden=64, layers=2, heads=4, head="target", clustered=True,
+                              num_centroids=16, top_k_clusters=4)
+    train, held = data
+    return Trainer(rt, out, cfg, dcfg, train, held, log=lambda m: None)
+
+
+def test_data_shards_hold_the_target_view(tiny_target, tiny_data):
+    train, _ = tiny_data
+    s = train[0]
+    assert s.hidden.shape == (len(s.tokens), tiny_target.config.hidden_size)
+    # Greedy answers: the target's top-1 at each answer position is the next token it emitted.
+    answer = slice(s.prompt_length - 1, len(s.tokens) - 1)
+    assert torch.equal(s.topk_ids[answer, 0], s.tokens[s.prompt_length :])
+
+
+def test_training_raises_held_out_tau(tiny_target, tiny_data, tmp_path):
+    trainer = make_trainer(tiny_target, tmp_path / "run", tiny_data, small_config())
+    before = trainer.evaluate()["tau"]
+    trainer.train()
+    after = trainer.evaluate()["tau"]
+    assert after > before + 0.5, (before, after)
+
+
+def test_resume_continues_exactly(tiny_target, tiny_data, tmp_path):
+    straight = make_trainer(tiny_target, tmp_path / "a", tiny_data, small_config(steps=6, save_every=3))
+    straight.train()
+    first = make_trainer(tiny_target, tmp_path / "b", tiny_data, small_config(steps=3, save_every=3))
+    first.train()
+    resumed = make_trainer(tiny_target, tmp_path / "b", tiny_data, small_config(steps=6, save_every=3))
+    assert resumed.step == 3
+    resumed.train()
+    for (name, a), (_, b) in zip(straight.net.state_dict().items(), resumed.net.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def test_checkpoint_round_trip_same_logits(tiny_target, tiny_data, tmp_path):
+    trainer = make_trainer(tiny_target, tmp_path / "run", tiny_data, small_config(steps=5))
+    trainer.train()
+    save_network(trainer.net, tmp_path / "saved")
+    loaded = load_mtp_drafter(tmp_path / "saved", tiny_target.model, torch.float32, "cpu")
+    z = torch.randn(3, trainer.net.config.hidden_size)
+    state = torch.randn(3, tiny_target.config.hidden_size)
+    from specdraft.drafters.mtp.drafter import MTPDrafter
+
+    mine = MTPDrafter(trainer.net.eval(), tiny_target.model, trainer.sources).logits(z, state)
+    theirs = loaded.logits(z, state)
+    assert torch.equal(mine[1], theirs[1])
+    torch.testing.assert_close(mine[0], theirs[0], rtol=0, atol=0)
+
+
+def test_eval_guard_refuses_spec_bench_prompt(tmp_path):
+    if not SPEC_BENCH.exists():
+        pytest.skip("Spec-Bench file not present")
+    question = json.loads(SPEC_BENCH.read_text().split("\n")[0])["turns"][0]
+    guard = EvalGuard([SPEC_BENCH])
+    assert guard.contaminated(question)
+    assert guard.contaminated("Please help. " + question + " Thanks!")
+    assert not guard.contaminated("Write a haiku about the sea in autumn, please, with a title and no rhyme.")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": question}) + "\n" + json.dumps({"prompt": "Name three rivers."}) + "\n")
+    s = load_prompt_set([prompts], [SPEC_BENCH], held_out_fraction=0.0)
+    assert s.refused == [question] and s.train == ["Name three rivers."]
+    only_bad = tmp_path / "bad.jsonl"
+    only_bad.write_text(json.dumps({"prompt": question}) + "\n")
+    with pytest.raises(SpecdraftError):
+        load_prompt_set([only_bad], [SPEC_BENCH])
+
+
+@pytest.mark.slow
+def test_torchrun_single_process_cpu(tiny_target, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(word_prompts(40, 5)) + "\n")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", "-m", "specdraft",
+           "train-drafter", "--model", str(tiny_target.folder), "--dtype", "float32", "--out", str(out),
+           "--prompts", str(prompts), "--answer-tokens", "8", "--steps", "4", "--batch-size", "2",
+           "--anchors", "4", "--hidden", "32", "--heads", "4", "--clusters", "0", "--eval-every", "2",
+           "--held-out", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (out / "model.safetensors").exists() and (out / "training.json").exists()
+    assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,6 +12,18 @@ from specdraft.config import ModelConfig
 from specdraft.device import dtype_name, resolve_device, resolve_dtype
 from specdraft.loading import load_folder, resolve_model
 from specdraft.tokenizer import Tokenizer
+
+
+def generation_eos_ids(folder: Path) -> list[int]:
+    """Chat checkpoints often list their end-of-turn token only in generation_config.json."""
+    path = folder / "generation_config.json"
+    try:
+        value = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
 @dataclass
@@ -30,7 +43,8 @@ class Runtime:
         dt = resolve_dtype(dtype, dev)
         folder = resolve_model(name_or_path, progress)
         model, cfg, notes = load_folder(folder, dt, dev)
-        return cls(name_or_path, folder, model, cfg, Tokenizer(folder, cfg.eos_token_ids), dev, dt, notes)
+        eos = cfg.eos_token_ids + generation_eos_ids(folder)
+        return cls(name_or_path, folder, model, cfg, Tokenizer(folder, eos), dev, dt, notes)
 
     @property
     def dtype_name(self) -> str:

@@ -3,7 +3,7 @@ over each answer records what the drafter trains on.
 
 Per token of every sequence (prompt + answer) a shard stores the target's final-normed hidden
 state, the K/V of the target layers drafters read, and for answer positions the target's top-k
-next-token log-probabilities. Shards are safetensors files written one by one, so an
+next-token log-probabilities, all recorded while the target generates (no second pass). Shards are safetensors files written one by one, so an
 interrupted run resumes at the first missing shard.
 """
 
@@ -19,7 +19,6 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdraft.config import FULL, SLIDING
-from specdraft.sampling import SamplingParams
 from specdraft.training.prompts import BASE_TEMPLATE, format_prompt
 
 
@@ -27,7 +26,7 @@ from specdraft.training.prompts import BASE_TEMPLATE, format_prompt
 class DataConfig:
     max_new_tokens: int = 160
     max_prompt_tokens: int = 256
-    batch_size: int = 16
+    batch_size: int = 32
     shard_prompts: int = 64
     topk: int = 8
     # Answers are a mix of greedy and sampled decoding, so the drafter sees the target's
@@ -51,53 +50,78 @@ def _encode(tokenizer, prompts: list[str], max_prompt_tokens: int) -> list[list[
     return out
 
 
-def generate_answers(engine, prompt_ids: list[list[int]], cfg: DataConfig, shard: int) -> list[tuple[list[int], list[int], float]]:
-    """(prompt ids, answer ids, temperature) for each non-empty prompt, in batches."""
-    todo = [p for p in prompt_ids if p]
+@torch.inference_mode()
+def record_answers(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+                   seed: int, slots: list[int], topk: int, eos: set[int]) -> list[dict[str, torch.Tensor]]:
+    """Plain batched decoding that keeps what the drafter will see at inference time.
+
+    Prompt positions get their hidden states from the prefill, answer positions from the
+    one-token decode steps (as a verify pass would produce them); the K/V of every position are
+    read from the cache at the end. Nothing is recomputed in a second pass.
+    """
+    b = len(prompts)
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([len(p) for p in prompts])
+    width = int(lengths.max())
+    cache = model.new_cache(b, width + max_new_tokens + 1)
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = torch.tensor(p)
+    rows = torch.arange(b)
+    hidden = model(tokens, cache)
+    cache.rollback(lengths)
+    prompt_hidden = hidden
+    last = hidden[rows, lengths - 1]
+    steps_hidden, steps_ids, steps_logp, answer = [], [], [], []
+    alive = torch.ones(b, dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        logp = torch.log_softmax(model.logits(last), dim=-1)
+        top = torch.topk(logp, topk, dim=-1)
+        steps_ids.append(top.indices)
+        steps_logp.append(top.values)
+        if temperature == 0:
+            nxt = top.indices[:, 0]
+        else:
+            nxt = torch.multinomial(torch.softmax(logp / temperature, dim=-1), 1, generator=gen).squeeze(1)
+        answer.append(torch.where(alive, nxt, -1))
+        alive &= ~torch.isin(nxt, torch.tensor(sorted(eos), dtype=torch.long))
+        if not alive.any():
+            break
+        last = model(nxt[:, None], cache)[:, 0]
+        steps_hidden.append(last)
     out = []
-    for b, start in enumerate(range(0, len(todo), cfg.batch_size)):
-        batch = todo[start : start + cfg.batch_size]
-        temp = cfg.temperatures[(shard + b) % len(cfg.temperatures)]
-        params = SamplingParams(temperature=temp, seed=cfg.seed * 1_000_003 + shard * 1000 + b)
-        for p, r in zip(batch, engine.generate(batch, cfg.max_new_tokens, params)):
-            out.append((p, r.token_ids, temp))
+    answers = torch.stack(answer, 1)
+    for i in range(b):
+        n_ans = int((answers[i] >= 0).sum())  # tokens emitted, EOS included
+        p = int(lengths[i])
+        n = p + n_ans
+        # Hidden at answer positions p .. n-1 come from the decode steps (the last token's
+        # hidden is never computed when the row stops there; the drafter never needs it).
+        h_ans = torch.stack([h[i] for h in steps_hidden[: n_ans - 1]]) if n_ans > 1 else prompt_hidden.new_zeros(0, prompt_hidden.shape[2])
+        hid = torch.cat([prompt_hidden[i, :p], h_ans, prompt_hidden.new_zeros(1, prompt_hidden.shape[2])])
+        ids = torch.zeros(n, topk, dtype=torch.int32)
+        lp = torch.full((n, topk), float("-inf"))
+        # The prediction made at position p - 1 + j produced answer token j; the last position
+        # has none (the row stopped), so its row stays empty and is never used as a label.
+        ids[p - 1 : n - 1] = torch.stack([t[i] for t in steps_ids[:n_ans]]).int()
+        lp[p - 1 : n - 1] = torch.stack([t[i] for t in steps_logp[:n_ans]]).float()
+        feats = {"tokens": torch.cat([torch.tensor(prompts[i]), answers[i, :n_ans]]).int(), "hidden": hid.cpu(),
+                 "topk_ids": ids, "topk_logp": lp}
+        for s in slots:
+            for name, store in (("k", cache.k), ("v", cache.v)):
+                feats[f"{name}.{s}"] = store[s][i, :, :n].transpose(0, 1).reshape(n, -1).cpu()
+        out.append({"prompt_length": p, "temperature": temperature, **feats})
     return out
 
 
-@torch.inference_mode()
-def teacher_forced_features(model: torch.nn.Module, seqs: list[tuple[list[int], list[int], float]],
-                            slots: list[int], topk: int) -> dict[str, torch.Tensor]:
-    """Run the target over whole sequences and flatten what training needs into one shard."""
-    tensors: dict[str, list[torch.Tensor]] = {k: [] for k in ["tokens", "hidden", "topk_ids", "topk_logp"]}
-    for s in slots:
-        tensors[f"k.{s}"], tensors[f"v.{s}"] = [], []
-    offsets, prompt_lens, temps = [0], [], []
-    for prompt, answer, temp in seqs:
-        ids = torch.tensor(prompt + answer)[None]
-        cache = model.new_cache(1, ids.shape[1] + 1)
-        hidden = model(ids, cache)[0]
-        start = len(prompt) - 1  # the first position whose prediction is part of the answer
-        logp = torch.log_softmax(model.logits(hidden[start:]), dim=-1)
-        top = torch.topk(logp, topk, dim=-1)
-        top_ids = torch.zeros(ids.shape[1], topk, dtype=torch.int32)
-        top_logp = torch.full((ids.shape[1], topk), float("-inf"))
-        top_ids[start:], top_logp[start:] = top.indices.int(), top.values.float()
-        tensors["tokens"].append(ids[0].int())
-        tensors["hidden"].append(hidden.cpu())
-        tensors["topk_ids"].append(top_ids)
-        tensors["topk_logp"].append(top_logp)
-        for s in slots:
-            # [1, Hkv, L, D] -> [L, Hkv * D]: one row per position.
-            for name, store in (("k", cache.k), ("v", cache.v)):
-                kv = store[s][0, :, : ids.shape[1]].transpose(0, 1).reshape(ids.shape[1], -1)
-                tensors[f"{name}.{s}"].append(kv.cpu())
-        offsets.append(offsets[-1] + ids.shape[1])
-        prompt_lens.append(len(prompt))
-        temps.append(temp)
-    out = {k: torch.cat(v).contiguous() for k, v in tensors.items()}
-    out["offsets"] = torch.tensor(offsets, dtype=torch.long)
-    out["prompt_lengths"] = torch.tensor(prompt_lens, dtype=torch.long)
-    out["temperatures"] = torch.tensor(temps, dtype=torch.float32)
+def shard_features(records: list[dict]) -> dict[str, torch.Tensor]:
+    """Concatenate per-sequence records into one flat shard (offsets mark the sequences)."""
+    keys = [k for k in records[0] if isinstance(records[0][k], torch.Tensor)]
+    out = {k: torch.cat([r[k] for r in records]).contiguous() for k in keys}
+    lengths = [len(r["tokens"]) for r in records]
+    out["offsets"] = torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)
+    out["prompt_lengths"] = torch.tensor([r["prompt_length"] for r in records], dtype=torch.long)
+    out["temperatures"] = torch.tensor([r["temperature"] for r in records], dtype=torch.float32)
     return out
 
 
@@ -113,8 +137,8 @@ def build_dataset(rt, prompts: list[str], out_dir: Path, cfg: DataConfig, desc: 
         if old != json.loads(json.dumps(meta)):
             raise_mismatch(meta_path, old, meta)
     meta_path.write_text(json.dumps(meta, indent=2))
-    engine = rt.engine()
     slots = read_slots(rt.model)
+    eos = set(rt.tokenizer.eos_token_ids)
     shards = []
     n_shards = (len(prompts) + cfg.shard_prompts - 1) // cfg.shard_prompts
     with tqdm(total=len(prompts), desc=desc, unit="prompt") as bar:
@@ -122,11 +146,16 @@ def build_dataset(rt, prompts: list[str], out_dir: Path, cfg: DataConfig, desc: 
             path = out_dir / f"shard-{shard:05d}.safetensors"
             chunk = prompts[shard * cfg.shard_prompts : (shard + 1) * cfg.shard_prompts]
             if not path.exists():
-                seqs = generate_answers(engine, _encode(rt.tokenizer, chunk, cfg.max_prompt_tokens), cfg, shard)
-                if seqs:
-                    feats = teacher_forced_features(rt.model, seqs, slots, cfg.topk)
+                ids = [p for p in _encode(rt.tokenizer, chunk, cfg.max_prompt_tokens) if p]
+                records = []
+                for b, start in enumerate(range(0, len(ids), cfg.batch_size)):
+                    # Batches cycle through the temperatures, so every shard mixes greedy and sampled.
+                    temp = cfg.temperatures[(shard + b) % len(cfg.temperatures)]
+                    records += record_answers(rt.model, ids[start : start + cfg.batch_size], cfg.max_new_tokens,
+                                              temp, cfg.seed * 1_000_003 + shard * 1000 + b, slots, cfg.topk, eos)
+                if records:
                     tmp = path.with_suffix(".tmp")
-                    save_file(feats, str(tmp), metadata={"slots": json.dumps(slots)})
+                    save_file(shard_features(records), str(tmp), metadata={"slots": json.dumps(slots)})
                     tmp.rename(path)
             if path.exists():
                 shards.append(path)

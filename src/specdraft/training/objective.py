@@ -61,8 +61,9 @@ def collate(seqs: list[Sequence], anchors_per_seq: int, kv_heads: dict[int, int]
         k_ids[i, :n], k_logp[i, :n] = s.topk_ids, s.topk_logp
         for slot in keys:
             keys[slot][i, :n], values[slot][i, :n] = s.keys[slot], s.values[slot]
-        # Anchors: positions whose target prediction is part of the answer, with x(t+1) known.
-        choices = list(range(s.prompt_length - 1, n - 1))
+        # Anchors: positions whose target prediction is part of the answer, with x(t+1) known and
+        # a recorded target prediction at t+1 (the last position has none).
+        choices = list(range(s.prompt_length - 1, n - 2))
         picked = sorted(rng.sample(choices, min(anchors_per_seq, len(choices))))
         anchors[i, : len(picked)] = torch.tensor(picked, dtype=torch.long)
         valid[i, : len(picked)] = True
@@ -125,7 +126,7 @@ def unrolled_loss(net: MTPNetwork, target: torch.nn.Module, sources: list[KVSour
     metrics = {"correct": [], "count": [], "recall": []}
     for k in range(k_steps):
         pos = batch.anchors + 1 + k  # position of the input token x(t+1+k)
-        valid = batch.anchor_valid & (pos <= batch.lengths[:, None] - 1)
+        valid = batch.anchor_valid & (pos <= batch.lengths[:, None] - 2)
         pos = pos.clamp(max=batch.tokens.shape[1] - 1)
         with torch.no_grad():
             embeds = target.embed(batch.tokens.gather(1, pos)).to(dtype)
@@ -136,7 +137,7 @@ def unrolled_loss(net: MTPNetwork, target: torch.nn.Module, sources: list[KVSour
         greedy_label = top_ids[:, :, 0]
         if loss_kind == "ce":
             nxt = (pos + 1).clamp(max=batch.tokens.shape[1] - 1)
-            label = torch.where(pos + 1 <= batch.lengths[:, None] - 1, batch.tokens.gather(1, nxt), greedy_label)
+            label = batch.tokens.gather(1, nxt)
             idx = space.index[label]
             ok = valid & (idx >= 0)
             token_loss = F.cross_entropy(logits[ok], idx[ok]) if ok.any() else logits.sum() * 0

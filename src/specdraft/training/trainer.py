@@ -265,7 +265,7 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
         prefix = torch.zeros_like(batch.anchors)
         for k in range(k_steps):
             pos = batch.anchors + 1 + k
-            valid = batch.anchor_valid & (pos <= batch.lengths[:, None] - 1)
+            valid = batch.anchor_valid & (pos <= batch.lengths[:, None] - 2)
             pos = pos.clamp(max=batch.tokens.shape[1] - 1)
             z, state = drafter.net.step(target.embed(batch.tokens.gather(1, pos)), state, contexts)
             b, a = pos.shape

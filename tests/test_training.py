@@ -134,3 +134,23 @@ def test_torchrun_single_process_cpu(tiny_target, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (out / "model.safetensors").exists() and (out / "training.json").exists()
     assert json.loads((out / "checkpoint" / "state.json").read_text())["step"] == 4
+
+
+def test_recorded_features_equal_a_teacher_forced_pass(tiny_target, tiny_data):
+    """What generation records (prefill + one-token steps) is what a full forward computes."""
+    from specdraft.training.data import read_slots
+
+    model = tiny_target.model
+    for s in tiny_data[0][:3]:
+        n = len(s.tokens)
+        cache = model.new_cache(1, n + 1)
+        with torch.no_grad():
+            hidden = model(s.tokens[None], cache)[0]
+        usable = n - 1  # the last position's hidden/KV are never computed (the row stopped)
+        torch.testing.assert_close(s.hidden[:usable], hidden[:usable], atol=1e-4, rtol=1e-4)
+        for slot in read_slots(model):
+            k = cache.k[slot][0, :, :usable].transpose(0, 1).reshape(usable, -1)
+            torch.testing.assert_close(s.keys[slot][:usable], k, atol=1e-4, rtol=1e-4)
+        logp = torch.log_softmax(model.logits(hidden[s.prompt_length - 1 : n - 1]), -1)
+        torch.testing.assert_close(s.topk_logp[s.prompt_length - 1 : n - 1], torch.topk(logp, 4).values,
+                                   atol=1e-4, rtol=1e-4)

@@ -104,7 +104,9 @@ class RopeTable:
 
         The caller has `ensure`d the table covers every position (the KV cache's capacity).
         """
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
+        cos = torch.nn.functional.embedding(positions, self.cos)
+        sin = torch.nn.functional.embedding(positions, self.sin)
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -35,15 +35,37 @@ def _bisect(x: torch.Tensor, ids: torch.Tensor, clusters: int, size: int, out: l
     _bisect(x, order[left * size :], clusters - left, size, out, bar)
 
 
-def balanced_clusters(rows: torch.Tensor, num_clusters: int, progress: bool = True) -> torch.Tensor:
-    """token_ordering [V]: cluster c holds ordering[c * V/C : (c + 1) * V/C]."""
+def balanced_clusters(rows: torch.Tensor, num_clusters: int, hot: torch.Tensor | None = None,
+                      progress: bool = True) -> torch.Tensor:
+    """token_ordering [V]: cluster c holds ordering[c * V/C : (c + 1) * V/C].
+
+    `hot` (token ids, most frequent first) are the tokens the target actually emits; they are
+    clustered among themselves, the rest separately. Otherwise frequent tokens end up spread
+    thinly over clusters full of tokens the target never produces, and the kept clusters miss
+    the target's token far more often (cluster recall).
+    """
     v = rows.shape[0]
     if v % num_clusters:
         raise ValueError(f"{v} rows do not split into {num_clusters} equal clusters")
+    size = v // num_clusters
     x = torch.nn.functional.normalize(rows.float(), dim=1)
+    parts = [(torch.arange(v), num_clusters)]
+    if hot is not None and len(hot):
+        n_hot = min(num_clusters - 1, -(-len(hot) // size))  # whole clusters, rounded up
+        is_hot = torch.zeros(v, dtype=torch.bool)
+        is_hot[hot] = True
+        # Fill the last hot cluster with the tokens most like the hot set's mean direction.
+        missing = n_hot * size - int(is_hot.sum())
+        if missing > 0:
+            sims = (x @ x[is_hot].mean(0)).masked_fill(is_hot, float("-inf"))
+            is_hot[torch.topk(sims, missing).indices] = True
+        elif missing < 0:
+            is_hot[hot[n_hot * size :]] = False
+        parts = [(is_hot.nonzero().squeeze(1), n_hot), ((~is_hot).nonzero().squeeze(1), num_clusters - n_hot)]
     groups: list[torch.Tensor] = []
     with tqdm(total=num_clusters, desc="balanced clustering", unit="cluster", disable=not progress) as bar:
-        _bisect(x, torch.arange(v), num_clusters, v // num_clusters, groups, bar)
+        for ids, count in parts:
+            _bisect(x, ids, count, size, groups, bar)
     return torch.cat(groups)
 
 

@@ -60,12 +60,13 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def shortlist_from(seqs: list[Sequence], size: int) -> torch.Tensor:
-    """The `size` tokens the target produces most often (answer tokens and its top-k guesses)."""
+    """The `size` tokens the target produces most often (answer tokens and its top-4 guesses),
+    most frequent first."""
     counts: Counter[int] = Counter()
     for s in seqs:
         counts.update(s.tokens[s.prompt_length :].tolist())
-        counts.update(s.topk_ids[s.prompt_length - 1 :, :4].flatten().tolist())
-    return torch.tensor(sorted(t for t, _ in counts.most_common(size)), dtype=torch.long)
+        counts.update(s.topk_ids[s.prompt_length - 1 : len(s.tokens) - 1, :4].flatten().tolist())
+    return torch.tensor([t for t, _ in counts.most_common(size)], dtype=torch.long)
 
 
 def autocast_for(device: torch.device):
@@ -91,8 +92,9 @@ class Trainer:
             drafter_cfg = read_drafter_config(self.ckpt)
         self.sources = kv_sources(drafter_cfg, self.target)
         self.kv_heads = {s.slot: s.num_kv_heads for s in self.sources}
-        self.net = self._build(drafter_cfg, resume).to(self.device)
-        self.space = self._head_space(resume)
+        shortlist = self._shortlist(resume)
+        self.net = self._build(drafter_cfg, resume, shortlist).to(self.device)
+        self.space = self._head_space(shortlist)
         decay = [p for n, p in self.net.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.net.named_parameters() if p.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
@@ -107,24 +109,26 @@ class Trainer:
             self.loss_fn = torch.nn.parallel.DistributedDataParallel(self.loss_fn)
 
     # --- setup ----------------------------------------------------------------------------
-    def _build(self, cfg: MTPConfig, resume: bool) -> MTPNetwork:
+    def _shortlist(self, resume: bool) -> torch.Tensor:
+        """Token ids the softmax is computed over, most frequent first."""
+        path = self.ckpt / "shortlist.safetensors"
+        if resume and path.exists():
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor("shortlist")
+        return shortlist_from(self.train_seqs, self.cfg.shortlist_size)
+
+    def _build(self, cfg: MTPConfig, resume: bool, shortlist: torch.Tensor) -> MTPNetwork:
         net = init_network(cfg, self.target, seed=self.cfg.seed)
         if resume:
             with safe_open(str(self.ckpt / "model.safetensors"), framework="pt") as f:
                 net.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
         elif net.masked_embedding is not None:
             table = self.target.head_weight.detach().cpu()
-            net.masked_embedding.token_ordering.copy_(balanced_clusters(table, cfg.num_centroids,
+            net.masked_embedding.token_ordering.copy_(balanced_clusters(table, cfg.num_centroids, hot=shortlist,
                                                                          progress=self.rank == 0))
         return net.float()
 
-    def _head_space(self, resume: bool):
-        path = self.ckpt / "shortlist.safetensors"
-        if resume and path.exists():
-            with safe_open(str(path), framework="pt") as f:
-                shortlist = f.get_tensor("shortlist")
-        else:
-            shortlist = shortlist_from(self.train_seqs, self.cfg.shortlist_size)
+    def _head_space(self, shortlist: torch.Tensor):
         clusters = None
         if self.net.masked_embedding is not None:
             clusters = cluster_of(self.net.masked_embedding.token_ordering.cpu(), self.net.config.num_centroids)

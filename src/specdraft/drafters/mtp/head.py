@@ -35,9 +35,16 @@ class ClusteredHead(nn.Module):
         return F.embedding(top, self.clusters()).flatten(1)
 
 
-def score(vectors: torch.Tensor, table: torch.Tensor, candidates: torch.Tensor | None) -> torch.Tensor:
-    """Logits of vectors [N, d] against table rows [V, d]: all rows, or only `candidates` [N, M]."""
+def score(vectors: torch.Tensor, table: torch.Tensor, candidates: torch.Tensor | None, chunk: int = 32) -> torch.Tensor:
+    """Logits of vectors [N, d] against table rows [V, d]: all rows, or only `candidates` [N, M].
+
+    Candidate rows are gathered `chunk` vectors at a time: evaluation scores thousands of
+    anchors at once, and M = 4096 rows of d = 640 per vector would otherwise be gigabytes.
+    """
     if candidates is None:
         return torch.nn.functional.linear(vectors, table).float()
-    rows = F.embedding(candidates, table)  # [N, M, d]
-    return torch.bmm(rows, vectors[:, :, None]).squeeze(2).float()
+    out = []
+    for start in range(0, vectors.shape[0], chunk):
+        rows = F.embedding(candidates[start : start + chunk], table)  # [n, M, d]
+        out.append(torch.bmm(rows, vectors[start : start + chunk, :, None]).squeeze(2).float())
+    return torch.cat(out)

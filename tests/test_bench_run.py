@@ -105,7 +105,7 @@ def test_bench_cli_end_to_end(tiny_folder, questions_file, tmp_path, capsys):
 
     md = (out / "results.md").read_text()
     for heading in ("## Batch size 1", "## Batch size 2", "## Speedup by category", "## Acceptance by draft position",
-                    "## Batch sweep", "## Memory", "Question: {q}"):
+                    "## Batch sweep", "## Memory", "Question: {prompt}"):
         assert heading in md
     assert set(data["plots"]) == {"speedup_by_category.png", "acceptance_by_position.png",
                                   "throughput_vs_batch_size.png"}
@@ -179,7 +179,7 @@ def test_questions_formats_and_selection(tmp_path, ctx):
         select(qs, ["z"], None)
     # a base model (no chat template) gets the plain template: <bos> Question: w1 \n Answer:
     ids = encode(ctx.rt.tokenizer, Question("0", "all", "w1"), "plain")
-    assert ids == ctx.rt.tokenizer.encode(PLAIN_TEMPLATE.format(q="w1"))
+    assert ids == ctx.rt.tokenizer.encode(PLAIN_TEMPLATE.format(prompt="w1"))
     assert ids[0] == 2 and WORDS.index("w1") in ids
 
 

@@ -7,15 +7,14 @@ files (one prompt per line, or JSONL with "prompt") get the category "all".
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
+from specdraft.prompts import BASE_TEMPLATE, prompt_text, read_records
 
-# Base models have no chat template; this is what they see instead. Kept short and neutral so
-# it does not favour any drafter (no few-shot examples to copy from).
-PLAIN_TEMPLATE = "Question: {q}\nAnswer:"
+# Base models have no chat template; this is what they see instead (shared with training).
+PLAIN_TEMPLATE = BASE_TEMPLATE
 
 
 @dataclass(frozen=True)
@@ -25,37 +24,18 @@ class Question:
     text: str
 
 
-def _from_json(obj: object, where: str, n: int) -> Question:
-    if not isinstance(obj, dict):
-        raise SpecdraftError(f"{where}: expected a JSON object")
-    category = str(obj.get("category") or "all")
-    qid = str(obj.get("question_id", obj.get("id", n)))
-    if isinstance(obj.get("turns"), list) and obj["turns"]:
-        return Question(qid, category, str(obj["turns"][0]))
-    if isinstance(obj.get("prompt"), str):
-        return Question(qid, category, obj["prompt"])
-    raise SpecdraftError(f"{where}: expected \"turns\" (Spec-Bench) or a \"prompt\" string")
-
-
 def read_questions(path: Path) -> list[Question]:
     """Spec-Bench JSONL, JSONL with "prompt", or plain text with one prompt per line."""
-    try:
-        lines = [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-    except FileNotFoundError:
-        raise SpecdraftError(f"questions file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecdraftError(f"cannot read questions file {path}: {e}") from None
-    if not lines:
-        raise SpecdraftError(f"questions file {path} is empty")
-    if path.suffix != ".jsonl" and not lines[0].lstrip().startswith("{"):
+    records, lines = read_records(path, "questions file")
+    if records is None:
         return [Question(str(n), "all", line) for n, line in enumerate(lines)]
     questions = []
-    for n, line in enumerate(lines):
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecdraftError(f"{path}:{n + 1}: invalid JSON ({e.msg})") from None
-        questions.append(_from_json(obj, f"{path}:{n + 1}", n))
+    for n, obj in enumerate(records):
+        text = prompt_text(obj)
+        if text is None:
+            raise SpecdraftError(f"{path}:{n + 1}: expected \"turns\" (Spec-Bench) or a \"prompt\" string")
+        qid = str(obj.get("question_id", obj.get("id", n)))
+        questions.append(Question(qid, str(obj.get("category") or "all"), text))
     return questions
 
 
@@ -90,4 +70,4 @@ def encode(tokenizer, question: Question, style: str) -> list[int]:
     """Token ids every method receives (tokenized once, outside any timer)."""
     if style == "chat":
         return tokenizer.encode_prompt(question.text, chat=True)
-    return tokenizer.encode(PLAIN_TEMPLATE.format(q=question.text))
+    return tokenizer.encode(PLAIN_TEMPLATE.format(prompt=question.text))

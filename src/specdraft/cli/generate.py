@@ -70,37 +70,12 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def read_prompts(path: Path) -> list[str]:
-    """Prompts from a text file (one per line) or JSONL ("prompt", or Spec-Bench "turns")."""
-    try:
-        lines = [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-    except FileNotFoundError:
-        raise SpecdraftError(f"prompts file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise SpecdraftError(f"cannot read prompts file {path}: {e}") from None
-    if not lines:
-        raise SpecdraftError(f"prompts file {path} is empty")
-    if path.suffix != ".jsonl" and not lines[0].lstrip().startswith("{"):
-        return lines
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise SpecdraftError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            prompts.append(obj["prompt"])
-        elif isinstance(obj, dict) and isinstance(obj.get("turns"), list) and obj["turns"]:
-            prompts.append(str(obj["turns"][0]))
-        else:
-            raise SpecdraftError(f"{path}:{n}: expected an object with a \"prompt\" string")
-    return prompts
-
-
 def collect_prompts(args) -> list[str]:
     if args.prompts_file and args.prompt:
         raise SpecdraftError("give a PROMPT or --prompts-file, not both")
     if args.prompts_file:
+        from specdraft.prompts import read_prompts
+
         return read_prompts(args.prompts_file)
     if args.prompt == "-":
         return [sys.stdin.read()]

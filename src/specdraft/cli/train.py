@@ -193,7 +193,7 @@ def run_eval(args) -> int:
     from specdraft.drafters.mtp import load_mtp_drafter
     from specdraft.runtime import Runtime
     from specdraft.training.evaluate import evaluate_drafter
-    from specdraft.training.prompts import read_prompt_file
+    from specdraft.prompts import read_prompts
 
     ks = _parse_ks(args.ks)
     if not ks or min(ks) < 1:
@@ -204,7 +204,7 @@ def run_eval(args) -> int:
         raise SpecdraftError(f"--temperatures expects numbers like 0,1; got {args.temperatures!r}") from None
     rt = Runtime.load(args.model, args.dtype, args.device)
     drafter = load_mtp_drafter(Path(args.drafter_path), rt.model, rt.dtype, rt.device)
-    prompts = read_prompt_file(args.prompts)[: args.limit]
+    prompts = read_prompts(args.prompts)[: args.limit]
     rows = evaluate_drafter(rt, drafter, prompts, ks, temps, args.max_new_tokens, args.batch_size)
     for r in rows:
         acc = [None if a is None else round(a, 3) for a in r.acceptance_by_position]

@@ -15,48 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
+from specdraft.prompts import BASE_TEMPLATE, format_prompt, prompt_text, read_prompts  # noqa: F401
 
 SHINGLE = 13
-BASE_TEMPLATE = "Question: {prompt}\nAnswer:"
-
-
-def _prompt_of(obj: dict) -> str | None:
-    """The prompt text of one JSONL record, for the formats we know."""
-    if isinstance(obj.get("prompt"), str):
-        return obj["prompt"]
-    if isinstance(obj.get("instruction"), str):  # self-instruct seed tasks
-        inputs = [i.get("input", "") for i in obj.get("instances", []) if isinstance(i, dict)]
-        extra = inputs[0].strip() if inputs else ""
-        return obj["instruction"] + ("\n\n" + extra if extra else "")
-    if isinstance(obj.get("turns"), list) and obj["turns"]:  # Spec-Bench / MT-bench layout
-        return str(obj["turns"][0])
-    if isinstance(obj.get("text"), str):
-        return obj["text"]
-    return None
-
-
-def read_prompt_file(path: Path) -> list[str]:
-    """JSONL (prompt / instruction+instances / turns / text) or plain text, one prompt per line."""
-    if not path.is_file():
-        raise SpecdraftError(f"prompts file {path} does not exist")
-    lines = [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-    if not lines:
-        raise SpecdraftError(f"prompts file {path} is empty")
-    if path.suffix != ".jsonl" and not lines[0].lstrip().startswith("{"):
-        return lines
-    prompts = []
-    for n, line in enumerate(lines, 1):
-        try:
-            text = _prompt_of(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise SpecdraftError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-        if text is None:
-            raise SpecdraftError(f"{path}:{n}: no prompt field (prompt, instruction, turns or text)")
-        if text.strip():
-            prompts.append(text)
-    return prompts
-
-
 def _words(text: str) -> list[str]:
     return re.findall(r"\w+", text.lower())
 
@@ -102,7 +63,7 @@ def _eval_texts(path: Path) -> list[str]:
             texts.append(line)
             continue
         texts.extend(str(t) for t in obj.get("turns", []))
-        text = _prompt_of(obj)
+        text = prompt_text(obj)
         if text and "turns" not in obj:
             texts.append(text)
     return texts
@@ -125,7 +86,7 @@ def load_prompt_set(files: list[Path], eval_files: list[Path], held_out_fraction
                     limit: int | None = None) -> PromptSet:
     prompts: list[str] = []
     for f in files:
-        prompts.extend(read_prompt_file(f))
+        prompts.extend(read_prompts(f))
     prompts = list(dict.fromkeys(prompts))  # drop exact duplicates
     # A fixed shuffle: sources are grouped by task, and --num-prompts must sample all of them.
     random.Random(0).shuffle(prompts)
@@ -139,11 +100,3 @@ def load_prompt_set(files: list[Path], eval_files: list[Path], held_out_fraction
     if not train:
         raise SpecdraftError("no training prompts left (all refused or held out)")
     return PromptSet(train, held, refused)
-
-
-def format_prompt(tokenizer, text: str, template: str | None) -> list[int]:
-    """Token ids for a prompt: the chat template when the model has one, else `template`
-    (e.g. BASE_TEMPLATE) or the raw text when template is None."""
-    if tokenizer.chat_template is not None:
-        return tokenizer.encode_prompt(text, chat=True)
-    return tokenizer.encode(template.format(prompt=text) if template else text)

@@ -101,6 +101,20 @@ def memory_rows(payload: dict) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
+def _bandwidth_line(payload: dict) -> list[str]:
+    """How close plain decoding at batch 1 comes to the weight-read floor (weights / bandwidth)."""
+    gbs = payload["machine"].get("memory_read_gbs")
+    plain = payload["summary"].get("batch_sizes", {}).get("1", {}).get("methods", {}).get("plain", {})
+    rate = plain.get("overall", {}).get("tokens_per_second")
+    if not gbs or not rate:
+        return []
+    floor_ms = payload["target"]["weight_bytes"] / (gbs * 1e9) * 1e3
+    step_ms = 1e3 / rate
+    return [f"- memory read bandwidth {gbs:.1f} GB/s (torch, {payload['machine']['torch_threads']} threads): reading "
+            f"the weights once takes {floor_ms:.1f} ms; plain decoding at batch 1 takes {step_ms:.1f} ms per token "
+            f"({floor_ms / step_ms:.0%} of the memory-bound ideal, prefill included)"]
+
+
 def markdown(payload: dict) -> str:
     cfg, mach = payload["config"], payload["machine"]
     fmt = payload["prompt_format"]
@@ -126,6 +140,7 @@ def markdown(payload: dict) -> str:
         + ("greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']}, seed {cfg['seed']}")
         + f", {cfg['repeats']} repeat(s), one warm-up generation per method and batch size",
         f"- run: {payload['created']}, {payload['elapsed_seconds']:.0f} s",
+        *_bandwidth_line(payload),
         "",
         "tok/s is Spec-Bench's: the mean over prompts of new tokens / seconds. Speedup is a method's mean rate "
         f"over specdraft `{payload['summary']['reference']}`'s in the same run (methods interleaved batch by batch). "

@@ -97,7 +97,25 @@ def machine_info(rt) -> dict:
         "gpu": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else None,
     }
     info.update(_git_state())
+    info["memory_read_gbs"] = read_bandwidth_gbs(rt.device)
     return info
+
+
+def read_bandwidth_gbs(device: torch.device, megabytes: int = 512) -> float:
+    """Memory read bandwidth as torch sees it (best of 5 sums over a 512 MB tensor, current threads).
+
+    Decoding one token reads every weight once, so weight bytes / this bandwidth is the floor of
+    a memory-bound step; results.md compares plain decoding against it.
+    """
+    x = torch.ones(megabytes * 2**20 // 4, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(5):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        x.sum().item()
+        best = min(best, time.perf_counter() - t0)
+    return round(x.numel() * 4 / best / 1e9, 2)
 
 
 def _git_state() -> dict:

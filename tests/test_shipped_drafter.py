@@ -1,0 +1,42 @@
+"""The drafter that ships for the default model: it loads, fits, and changes nothing in the text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdraft.drafters import load_drafter, shipped_drafter_path
+from specdraft.runtime import Runtime
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Question: Name three primary colors.\nAnswer:",
+    "def is_even(n):",
+    "The history of the printing press",
+]
+
+
+@pytest.fixture(scope="module")
+def runtime():
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    return Runtime.load("gemma3-270m", "float32", "cpu", progress=False)
+
+
+def test_a_drafter_ships_for_the_default_model():
+    path = shipped_drafter_path("gemma3-270m")
+    assert path is not None and (path / "model.safetensors").stat().st_size < 40e6
+
+
+def test_auto_uses_it_and_greedy_text_is_unchanged(runtime):
+    drafter, kind, k = load_drafter(runtime, "auto", None, None)
+    assert kind == "mtp" and k >= 1
+    assert drafter.nbytes() < 0.1 * runtime.nbytes()  # overhead stays a small fraction of the target
+    ids = [runtime.tokenizer.encode(p) for p in PROMPTS]
+    plain = runtime.engine().generate(ids, 48)
+    fast = runtime.engine(drafter, k).generate(ids, 48)
+    for a, b in zip(plain, fast):
+        assert a.token_ids == b.token_ids
+    # And it drafts something useful, not just losslessly.
+    accepted = sum(r.stats.accepted for r in fast)
+    assert accepted > 0.5 * sum(r.stats.target_forwards for r in fast)

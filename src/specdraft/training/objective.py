@@ -76,6 +76,17 @@ def collate(seqs: list[Sequence], anchors_per_seq: int, kv_heads: dict[int, int]
                  k_ids, k_logp, anchors, valid)
 
 
+def to_device(batch, device: torch.device):
+    if device.type == "cpu":
+        return batch
+    for name, value in vars(batch).items():
+        if isinstance(value, torch.Tensor):
+            setattr(batch, name, value.to(device))
+        elif isinstance(value, dict):
+            setattr(batch, name, {k: v.to(device) for k, v in value.items()})
+    return batch
+
+
 @dataclass
 class HeadSpace:
     """Where the drafter's token logits live during training."""

@@ -17,6 +17,7 @@ from specdraft.runtime import Runtime
 from specdraft.training.data import DataConfig, build_dataset, load_sequences
 from specdraft.training.prompts import EvalGuard, load_prompt_set
 from specdraft.training.trainer import TrainConfig, Trainer
+from specdraft.training.evaluate import replay_greedy_decoding
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
@@ -71,8 +72,9 @@ def test_training_raises_held_out_tau(tiny_target, tiny_data, tmp_path):
     trainer = make_trainer(tiny_target, tmp_path / "run", tiny_data, small_config())
     before = trainer.evaluate()["tau"]
     trainer.train()
-    after = trainer.evaluate()["tau"]
-    assert after > before + 0.5, (before, after)
+    result = trainer.evaluate()
+    assert result["tau"] > before + 0.5, (before, result["tau"])
+    assert 1.0 <= result["decoding_tau"] <= 1 + trainer.cfg.k_steps
 
 
 def test_resume_continues_exactly(tiny_target, tiny_data, tmp_path):
@@ -154,3 +156,15 @@ def test_recorded_features_equal_a_teacher_forced_pass(tiny_target, tiny_data):
         logp = torch.log_softmax(model.logits(hidden[s.prompt_length - 1 : n - 1]), -1)
         torch.testing.assert_close(s.topk_logp[s.prompt_length - 1 : n - 1], torch.topk(logp, 4).values,
                                    atol=1e-4, rtol=1e-4)
+
+
+def test_decoding_replay_jumps_past_accepted_drafts():
+    # Anchors 4..11 of an answer that starts after a 5-token prompt. A round at t emits
+    # prefix[t] + 1 tokens and the next round starts there: t = 4 -> 7 -> 8 -> 11 -> end.
+    anchors = torch.arange(4, 12)
+    prefix = torch.tensor([2, 3, 3, 0, 2, 3, 3, 1])
+    valid = torch.ones(8, dtype=torch.bool)
+    assert replay_greedy_decoding(anchors, valid, prefix, prompt_length=5) == (3 + 1 + 3 + 2, 4)
+    # Invalid anchors end the replay.
+    valid[4] = False
+    assert replay_greedy_decoding(anchors, valid, prefix, prompt_length=5) == (3 + 1, 2)

@@ -187,7 +187,8 @@ class Trainer:
     def train(self) -> dict:
         cfg = self.cfg
         self.net.train()
-        started = time.time()
+        # Training seconds add up across resumes (checkpoints are taken at evaluation steps).
+        started = time.time() - (self.history[-1]["seconds"] if self.history else 0.0)
         bar = tqdm(total=cfg.steps, initial=self.step, desc="training drafter", unit="step", disable=self.rank != 0)
         while self.step < cfg.steps:
             for g in self.opt.param_groups:

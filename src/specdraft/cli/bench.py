@@ -63,8 +63,8 @@ prompt format: the model's chat template when it has one, else the plain templat
     p.add_argument("--drafter-path", default=None, help="MTP drafter folder for the mtp method")
     p.add_argument("--draft-model", default=None, help="model name or path for the draft-model method")
     p.add_argument("--draft-tokens", type=int, default=None,
-                   help="K, tokens drafted per round, for every drafter and peer (default: the MTP drafter's "
-                        "recommended K, else 4)")
+                   help="K, tokens drafted per round, for every drafter and peer (default: each its own: "
+                        "the MTP drafter's recommended K, 4 for the others)")
     p.add_argument("--gguf", default=None,
                    help="GGUF file for llama-cpp when --model is a HF folder (default: the preset's GGUF)")
     p.add_argument("--batch-sizes", type=_int_list, default=[1], help="comma-separated, e.g. 1,4,8 (default 1)")

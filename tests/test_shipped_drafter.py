@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from specdraft.drafters import load_drafter, shipped_drafter_path
 from specdraft.runtime import Runtime
@@ -19,7 +18,6 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def runtime():
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     return Runtime.load("gemma3-270m", "float32", "cpu", progress=False)
 
 

@@ -16,8 +16,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.runtime import Runtime
 from specdraft.training.data import DataConfig, build_dataset, load_sequences
 from specdraft.training.prompts import EvalGuard, load_prompt_set
-from specdraft.training.trainer import TrainConfig, Trainer
 from specdraft.training.evaluate import replay_greedy_decoding
+from specdraft.training.trainer import TrainConfig, Trainer
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 

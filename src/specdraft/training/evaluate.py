@@ -78,6 +78,8 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
     dtype = target.head_weight.dtype
     for start in range(0, len(seqs), chunk):
         group = seqs[start : start + chunk]
+        # As many anchor slots as the longest answer: every answer position becomes an anchor,
+        # which the decoding replay below relies on.
         n_anchor = max(len(s.tokens) - s.prompt_length for s in group)
         batch = to_device(collate(group, n_anchor, kv_heads, random.Random(0), dtype), device)
         contexts = layer_contexts(drafter.sources, batch.keys, batch.values, batch.anchors, dtype)

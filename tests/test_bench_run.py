@@ -141,8 +141,9 @@ def test_llama_cpp_without_gguf_is_skipped(ctx, monkeypatch):
 
 
 def test_drafters_without_weights_are_skipped(ctx):
-    with pytest.raises(Skip, match="--drafter-path"):
-        build_method("mtp", ctx)
+    for name in ("mtp", "mtp+ngram"):
+        with pytest.raises(Skip, match="--drafter-path"):
+            build_method(name, ctx)
     with pytest.raises(Skip, match="--draft-model"):
         build_method("draft-model", ctx)
     with pytest.raises(SpecdraftError, match="unknown method"):
@@ -197,6 +198,24 @@ def test_draft_model_method_runs(ctx, tiny_folder):
     assert all(r.stats["accepted_by_position"] == r.stats["drafted_by_position"] for r in out.rows)
     assert sum(sum(r.stats["drafted_by_position"]) for r in out.rows) > 0
     assert method.draft_tokens == 3 and method.own_weight_bytes > 0
+
+
+def test_mtp_with_lookup_method_reports_its_mix(tiny_folder, questions_file, tmp_path):
+    """The bench runs mtp+ngram losslessly and says how often each part drafted."""
+    from specdraft.bench.runner import BenchConfig, run_bench
+    from specdraft.drafters.mtp import drafter_config_for, init_network, save_network
+    from specdraft.runtime import Runtime
+
+    rt = Runtime.load(str(tiny_folder), "float32", "cpu", progress=False)
+    cfg = drafter_config_for(rt.model, hidden=16, layers=1, heads=2, head="own", clustered=False)
+    save_network(init_network(cfg, rt.model, seed=0, std=0.1), tmp_path / "drafter")
+    payload = run_bench(BenchConfig(model=str(tiny_folder), questions=questions_file, methods=["mtp+ngram"],
+                                    drafter_path=str(tmp_path / "drafter"), max_new_tokens=8, dtype="float32",
+                                    device="cpu", out=tmp_path / "out", plots=False, progress=False))
+    notes = payload["methods"]["mtp+ngram"]["notes"]
+    assert any("prompt lookup drafted" in n for n in notes), notes
+    one = payload["summary"]["batch_sizes"]["1"]["methods"]["mtp+ngram"]["overall"]
+    assert one["identical_rate"] == 1.0
 
 
 @pytest.mark.parametrize("error", [RuntimeError("boom"), KeyboardInterrupt()])

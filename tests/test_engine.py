@@ -13,17 +13,20 @@ import pytest
 import torch
 
 from conftest import TinyModel, OracleDrafter, load_ours, prompts_of
+from specdraft.drafters.base import DraftInput
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+from specdraft.drafters.mtp_lookup import MTPWithLookup
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.errors import SpecdraftError
+from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
 
 MAX_NEW = 30
 LENGTHS = {1: [9], 3: [4, 13, 1], 8: [6, 2, 15, 9, 1, 11, 4, 7]}
 KS = [1, 3, 7]
 DRAFTERS = ["ngram", "draft-model-self", "draft-model-noisy", "mtp-dense-own", "mtp-dense-target",
-            "mtp-clustered-own", "mtp-clustered-target", "oracle-noisy"]
+            "mtp-clustered-own", "mtp-clustered-target", "mtp+ngram", "oracle-noisy"]
 
 
 def batch_prompts(tiny: TinyModel, b: int) -> list[list[int]]:
@@ -70,6 +73,8 @@ def drafter_factory(gemma_tiny: TinyModel, tmp_path_factory):
             return DraftModelDrafter(target)  # the target as its own draft model: all accepted
         if name == "draft-model-noisy":
             return DraftModelDrafter(noisy)
+        if name == "mtp+ngram":
+            return MTPWithLookup(mtp["mtp-clustered-target"])
         if name.startswith("mtp"):
             return mtp[name]
         if name == "oracle-noisy":
@@ -126,17 +131,19 @@ def test_greedy_speculative_equals_plain(name: str, k: int, b: int, gemma_tiny, 
     expected = [o[:MAX_NEW] for o in outputs]
     drafter = drafter_factory(name, full_sequences(prompts, outputs))
     rec = Recorder(b)
-    results = Engine(gemma_tiny.ours, None, drafter, k).generate(prompts, MAX_NEW, eos_token_ids=[], on_tokens=rec)
+    engine = Engine(gemma_tiny.ours, None, drafter, k)
+    results = engine.generate(prompts, MAX_NEW, eos_token_ids=[], on_tokens=rec)
     assert [r.token_ids for r in results] == expected
     assert all(r.finish_reason == "length" for r in results)
-    check_stats(results, rec, k, MAX_NEW)
+    check_stats(results, rec, engine.width, MAX_NEW)
     if name == "draft-model-self":
         # Drafts are the target's own greedy tokens: every draft accepted, tau = K + 1.
         for r in results:
             assert r.stats.target_forwards == 1 + math.ceil((MAX_NEW - 1) / (k + 1))
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft-model-noisy", "mtp-clustered-target", "oracle-noisy", "none"])
+@pytest.mark.parametrize("name", ["ngram", "draft-model-noisy", "mtp-clustered-target", "mtp+ngram", "oracle-noisy",
+                                  "none"])
 def test_eos_mid_batch(name: str, gemma_tiny, plain, drafter_factory) -> None:
     prompts, outputs = plain[8]
     # An EOS id that one row emits mid-way (and not before).
@@ -152,10 +159,11 @@ def test_eos_mid_batch(name: str, gemma_tiny, plain, drafter_factory) -> None:
     assert "eos" in reasons and "length" in reasons, "the batch should mix rows ending by EOS and by length"
     drafter = None if name == "none" else drafter_factory(name, full_sequences(prompts, outputs))
     rec = Recorder(8)
-    results = Engine(gemma_tiny.ours, None, drafter, 3).generate(prompts, MAX_NEW, eos_token_ids=[eos], on_tokens=rec)
+    engine = Engine(gemma_tiny.ours, None, drafter, 3)
+    results = engine.generate(prompts, MAX_NEW, eos_token_ids=[eos], on_tokens=rec)
     assert [r.token_ids for r in results] == expected
     assert [r.finish_reason for r in results] == reasons
-    check_stats(results, rec, 3 if drafter else 0, MAX_NEW)
+    check_stats(results, rec, engine.width, MAX_NEW)
 
 
 @pytest.mark.parametrize("k", KS)
@@ -259,3 +267,25 @@ def test_engine_rejects_bad_arguments(gemma_tiny) -> None:
     ctx = gemma_tiny.cfg.max_position_embeddings
     with pytest.raises(SpecdraftError, match="exceeds the model's context"):
         engine.generate([[5] * (ctx - 3)], 4)
+
+
+def test_mtp_with_lookup_chooses_per_row(gemma_tiny, drafter_factory) -> None:
+    """A row whose last two tokens occurred before gets the 8 tokens that followed them; a row
+    without such a match gets the MTP drafter's K drafts, in the same round."""
+    target = gemma_tiny.ours
+    mtp = drafter_factory("mtp-clustered-target", [])
+    rows = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    cache = target.new_cache(2, 32)
+    with torch.inference_mode():
+        hidden = target(rows[:, :-1], cache)[:, -1]
+    tokens = torch.zeros(2, 32, dtype=torch.long)
+    tokens[:, :11] = rows
+    inp = DraftInput(rows[:, -1], hidden, torch.tensor([9, 9]), cache, tokens, torch.tensor([True, True]))
+    both = MTPWithLookup(mtp)
+    draft = both.propose(inp, 3, SamplingParams(), None)
+    alone = mtp.propose(inp, 3, SamplingParams(), None)
+    assert draft.num_valid.tolist() == [8, 3]
+    assert draft.tokens[0].tolist() == [5, 6, 7, 8, 9, 10, 11, 3]
+    assert draft.tokens[1, :3].tolist() == alone.tokens[1].tolist()
+    assert both.row_rounds == {"lookup": 1, "mtp": 1}
+    assert both.max_drafts(3) == 8 and both.max_drafts(10) == 10

@@ -29,6 +29,7 @@ import torch
 from conftest import TinyModel, build_hf, load_ours, save_hf
 from specdraft.drafters.base import Draft, Drafter
 from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+from specdraft.drafters.mtp_lookup import MTPWithLookup
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.sampling import SamplingParams
 from specdraft.speculative import engine as engine_module
@@ -187,7 +188,7 @@ def drafters(target: TinyModel, tmp_path_factory):
     with torch.no_grad():
         seqs = torch.tensor([PROMPT + [t] for t in range(V)])
         table = target.hf(seqs).logits[:, -1].argmax(-1)
-    return {"mtp": mtp, "argmax": ArgmaxDrafter(table), "ngram": NgramDrafter()}
+    return {"mtp": mtp, "argmax": ArgmaxDrafter(table), "ngram": NgramDrafter(), "mtp+ngram": MTPWithLookup(mtp, min_match=1)}
 
 
 # ------------------------------------------------------------------ the tests
@@ -202,6 +203,9 @@ CASES = {
     "ngram-point-mass-K1": ("ngram", 1, T1, 20),
     "mtp-clustered-sampled-K2": ("mtp", 2, T1, 30),
     "mtp-clustered-sampled-topk-topp-K1": ("mtp", 1, FILTERED, 40),
+    # Rows whose last token occurred in PROMPT look up (point mass), the others sample from the
+    # MTP drafter, in the same batch.
+    "mtp+ngram-mixed-K2": ("mtp+ngram", 2, T1, 50),
 }
 
 
@@ -219,6 +223,9 @@ def test_speculative_sampling_matches_target_distribution(case: str, target, dra
     # Both the accept and the reject paths were taken often (tens of thousands of times). The
     # random MTP drafter is accepted ~10% of the time, so its case mostly tests the residual
     # (including tokens outside the kept clusters); the point-mass cases accept ~65%.
+    if key == "mtp+ngram":
+        rounds = drafters[key].row_rounds
+        assert min(rounds.values()) > 0.1 * sum(rounds.values()), rounds
     if key is not None:
         assert acceptance is not None and 0.05 < acceptance < 0.9, acceptance
     assert p_value > ALPHA, f"{case}: chi2 {stat:.1f} on {df} df, p = {p_value:.2e}, TV {tv:.4f}"

@@ -28,7 +28,7 @@ def test_a_drafter_ships_for_the_default_model():
 
 def test_auto_uses_it_and_greedy_text_is_unchanged(runtime):
     drafter, kind, k = load_drafter(runtime, "auto", None, None)
-    assert kind == "mtp" and k >= 1
+    assert kind == "mtp+ngram" and k >= 1
     assert drafter.nbytes() < 0.1 * runtime.nbytes()  # overhead stays a small fraction of the target
     ids = [runtime.tokenizer.encode(p) for p in PROMPTS]
     plain = runtime.engine().generate(ids, 48)

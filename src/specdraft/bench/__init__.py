@@ -1,7 +1,7 @@
 """`specdraft bench`: Spec-Bench style measurements, specdraft next to its peers.
 
 questions.py  input files and prompt formatting
-methods.py    one runner per method (specdraft plain/mtp/ngram/draft-model) behind one interface
+methods.py    one runner per method (specdraft plain/mtp/mtp+ngram/ngram/draft-model) behind one interface
 peers.py      the same weights through transformers (hf, hf-pld) and llama.cpp (llama-cpp, llama-cpp-pld)
 memory.py     resident memory: load deltas and peaks while generating
 metrics.py    pure arithmetic on the raw records
@@ -10,10 +10,10 @@ plots.py      PNG figures (matplotlib, Agg)
 runner.py     orchestration: load, warm up, interleave, measure, write
 """
 
-SPECDRAFT_METHODS = ("plain", "mtp", "ngram", "draft-model")
+SPECDRAFT_METHODS = ("plain", "mtp", "mtp+ngram", "ngram", "draft-model")
 PEER_METHODS = ("hf", "hf-pld", "llama-cpp", "llama-cpp-pld")
 ALL_METHODS = SPECDRAFT_METHODS + PEER_METHODS
-DEFAULT_METHODS = ("plain", "mtp", "ngram", "draft-model", "hf", "hf-pld", "llama-cpp", "llama-cpp-pld")
+DEFAULT_METHODS = ("plain", "mtp", "mtp+ngram", "ngram", "draft-model", "hf", "hf-pld", "llama-cpp", "llama-cpp-pld")
 # The default llama.cpp build crashes on CPUs with AMX; this one does not (and still uses AVX-512).
 LLAMA_CPP_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF '
                    '-DGGML_AMX_BF16=OFF" pip install llama-cpp-python')

@@ -132,7 +132,7 @@ def _specdraft(name: str, ctx: BenchContext) -> Method:
     if name == "plain":
         return SpecdraftMethod(name, rt, None, 0, ctx.sampling)
     path = None
-    if name == "mtp":
+    if name in ("mtp", "mtp+ngram"):
         # Only preset names have shipped drafters (a folder path would resolve to itself).
         shipped = shipped_drafter_path(rt.name) if rt.name in PRESETS else None
         path = ctx.drafter_path or (str(shipped) if shipped else None)
@@ -154,6 +154,9 @@ def _specdraft(name: str, ctx: BenchContext) -> Method:
     else:
         method.own_weight_bytes = drafter.nbytes()
         method.notes.append(f"drafter {path}, K={k}" if path else f"K={k}")
+        if name == "mtp+ngram":
+            method.notes.append(f"prompt lookup up to {drafter.lookup_tokens} tokens where the last "
+                                f"{drafter.min_match}-{drafter.max_ngram} tokens occurred before")
     return method
 
 

@@ -39,6 +39,7 @@ def register(sub) -> None:
         epilog=f"""methods:
   plain          specdraft, no drafter (the reference; always run)
   mtp            specdraft + MTP drafter (--drafter-path, else the one shipped for --model)
+  mtp+ngram      specdraft + prompt lookup where the text repeats, the MTP drafter elsewhere
   ngram          specdraft + prompt lookup
   draft-model    specdraft + a small draft model (--draft-model)
   hf             transformers generate() on the same HF folder, dtype and device
@@ -60,7 +61,7 @@ prompt format: the model's chat template when it has one, else the plain templat
     p.add_argument("--limit-per-category", type=int, default=None, help="first N questions of each category")
     p.add_argument("--methods", type=_name_list, default=list(DEFAULT_METHODS),
                    help=f"comma-separated, from {', '.join(ALL_METHODS)} (default: {','.join(DEFAULT_METHODS)})")
-    p.add_argument("--drafter-path", default=None, help="MTP drafter folder for the mtp method")
+    p.add_argument("--drafter-path", default=None, help="MTP drafter folder for the mtp and mtp+ngram methods")
     p.add_argument("--draft-model", default=None, help="model name or path for the draft-model method")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="K, tokens drafted per round, for every drafter and peer (default: each its own: "

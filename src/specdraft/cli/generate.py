@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specdraft.errors import SpecdraftError
 
-DRAFTER_KINDS = ("auto", "none", "mtp", "ngram", "draft-model")
+DRAFTER_KINDS = ("auto", "none", "mtp", "mtp+ngram", "ngram", "draft-model")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -28,15 +28,17 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="auto", choices=DRAFTER_KINDS,
-                   help="auto: the drafter shipped for this model if there is one, else none; "
+                   help="auto: mtp+ngram with the drafter shipped for this model if there is one, else none; "
                         "mtp: a Gemma-4-style MTP drafter from --drafter-path; ngram: prompt lookup "
-                        "(no weights); draft-model: a small model sharing the tokenizer, from --drafter-path; "
+                        "(no weights); mtp+ngram: prompt lookup (up to 8 tokens) where the last 2-3 tokens "
+                        "occurred before, the MTP drafter elsewhere; draft-model: a small model sharing the tokenizer, from --drafter-path; "
                         "none: plain decoding")
     p.add_argument("--drafter-path", default=None,
-                   help="mtp: drafter folder (config.json + model.safetensors); draft-model: a model "
+                   help="mtp, mtp+ngram: drafter folder (config.json + model.safetensors); draft-model: a model "
                         "name or path as for --model")
     p.add_argument("--draft-tokens", type=int, default=None,
-                   help="tokens drafted per round, K (default: the drafter's recommended K, else 4)")
+                   help="tokens drafted per round, K (default: the drafter's recommended K, else 4; "
+                        "mtp+ngram: the MTP drafter's K, lookups propose up to 8)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -70,7 +70,11 @@ def _register_eval(sub) -> None:
                                    "temperature 1, and report tau (tokens per target forward) and acceptance "
                                    "by draft position.")
     add_model_args(p)
-    p.add_argument("--drafter-path", required=True, help="MTP drafter folder")
+    p.add_argument("--drafter-path", default=None,
+                   help="MTP drafter folder (default: the drafter shipped for --model, if one ships)")
+    p.add_argument("--drafter", default="mtp", choices=["mtp", "mtp+ngram"],
+                   help="mtp: the MTP drafter alone (default); mtp+ngram: with prompt lookup where the text "
+                        "repeats (up to 8 looked-up tokens per round)")
     p.add_argument("--prompts", type=Path, required=True, help="held-out prompts (never the training ones)")
     p.add_argument("--limit", type=int, default=32, help="prompts used (default 32)")
     p.add_argument("--ks", default="1-8", help="K values, e.g. 1-8 or 2,4,6 (default 1-8)")
@@ -191,7 +195,7 @@ def _parse_ks(text: str) -> list[int]:
 
 
 def run_eval(args) -> int:
-    from specdraft.drafters.mtp import load_mtp_drafter
+    from specdraft.drafters import load_drafter, shipped_drafter_path
     from specdraft.runtime import Runtime
     from specdraft.training.evaluate import evaluate_drafter
     from specdraft.prompts import read_prompts
@@ -204,7 +208,10 @@ def run_eval(args) -> int:
     except ValueError:
         raise SpecdraftError(f"--temperatures expects numbers like 0,1; got {args.temperatures!r}") from None
     rt = Runtime.load(args.model, args.dtype, args.device)
-    drafter = load_mtp_drafter(Path(args.drafter_path), rt.model, rt.dtype, rt.device)
+    path = args.drafter_path or shipped_drafter_path(rt.name)
+    if path is None:
+        raise SpecdraftError(f"no drafter ships for {rt.name!r}: give --drafter-path")
+    drafter, _, _ = load_drafter(rt, args.drafter, str(path), None)
     prompts = read_prompts(args.prompts)[: args.limit]
     rows = evaluate_drafter(rt, drafter, prompts, ks, temps, args.max_new_tokens, args.batch_size)
     for r in rows:

@@ -1,7 +1,8 @@
 """Drafters: who proposes the tokens the target verifies.
 
-- mtp: Gemma-4-style multi-token-prediction drafter reading the target's KV cache (mtp.py)
+- mtp: Gemma-4-style multi-token-prediction drafter reading the target's KV cache (mtp/)
 - ngram: prompt lookup, training-free (ngram.py)
+- mtp+ngram: prompt lookup where the text repeats itself, the MTP drafter elsewhere (mtp_lookup.py)
 - draft-model: an independent small model with its own KV cache (draft_model.py)
 """
 
@@ -35,27 +36,29 @@ def load_drafter(rt, kind: str, path: str | None, draft_tokens: int | None) -> t
         shipped = shipped_drafter_path(rt.name)
         if shipped is None:
             return None, "none", 0
-        kind, path = "mtp", str(shipped)
+        kind, path = "mtp+ngram", str(shipped)
     if kind == "none":
         return None, "none", 0
     if kind == "ngram":
         from specdraft.drafters.ngram import NgramDrafter
 
         return NgramDrafter(), kind, draft_tokens or DEFAULT_K
-    if kind == "mtp":
+    if kind in ("mtp", "mtp+ngram"):
         from specdraft.drafters.mtp import load_mtp_drafter
+        from specdraft.drafters.mtp_lookup import MTPWithLookup
 
         if path is None:
-            raise SpecdraftError("--drafter mtp needs --drafter-path (a drafter folder)")
+            raise SpecdraftError(f"--drafter {kind} needs --drafter-path (a drafter folder)")
         drafter = load_mtp_drafter(Path(path), rt.model, rt.dtype, rt.device)
-        return drafter, kind, draft_tokens or drafter.recommended_k or DEFAULT_K
+        k = draft_tokens or drafter.recommended_k or DEFAULT_K
+        return (MTPWithLookup(drafter) if kind == "mtp+ngram" else drafter), kind, k
     if kind == "draft-model":
         from specdraft.drafters.draft_model import DraftModelDrafter
 
         if path is None:
             raise SpecdraftError("--drafter draft-model needs --drafter-path (a model name or path)")
         return DraftModelDrafter.load(path, rt), kind, draft_tokens or DEFAULT_K
-    raise SpecdraftError(f"unknown drafter kind {kind!r} (use auto, none, mtp, ngram or draft-model)")
+    raise SpecdraftError(f"unknown drafter kind {kind!r} (use auto, none, mtp, mtp+ngram, ngram or draft-model)")
 
 
 __all__ = ["Draft", "Drafter", "DraftInput", "load_drafter", "shipped_drafter_path"]

@@ -50,6 +50,10 @@ class Drafter:
     def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
         raise NotImplementedError
 
+    def max_drafts(self, k: int) -> int:
+        """The most drafts one round may carry when the engine asks for k (it sizes buffers by this)."""
+        return k
+
     def nbytes(self) -> int:
         """Memory the drafter adds (parameters and buffers), for honest overhead reports."""
         return 0

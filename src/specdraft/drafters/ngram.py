@@ -7,10 +7,45 @@ All rows are searched at once with tensor ops; there is no per-row Python loop.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.sampling import SamplingParams
+
+
+@dataclass
+class Lookup:
+    drafts: torch.Tensor  # [B, K]: the continuation after the match (filler past num_valid)
+    num_valid: torch.Tensor  # [B]: 0 where nothing matched or the row is inactive
+    matched: torch.Tensor  # [B]: length of the n-gram that matched (0: none)
+
+
+def prompt_lookup(tokens: torch.Tensor, seq_len: torch.Tensor, active: torch.Tensor, k: int,
+                  max_ngram: int, min_ngram: int) -> Lookup:
+    """For rows whose sequences are tokens[:, :seq_len], find the latest earlier occurrence of the
+    longest suffix n-gram (max_ngram down to min_ngram) and return up to k tokens that followed."""
+    b, width = tokens.shape
+    dev = tokens.device
+    found_start = torch.full((b,), -1, dtype=torch.long, device=dev)  # where the continuation starts
+    matched = torch.zeros(b, dtype=torch.long, device=dev)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        suffix = tokens.gather(1, (seq_len[:, None] - n + torch.arange(n, device=dev)).clamp(min=0))
+        windows = tokens.unfold(1, n, 1)  # [B, width - n + 1, n]
+        starts = torch.arange(windows.shape[1], device=dev)
+        # A match must be followed by at least one token that is already known.
+        hit = (windows == suffix[:, None, :]).all(-1) & (starts[None, :] + n < seq_len[:, None])
+        hit &= (seq_len >= n + 1)[:, None]
+        latest = torch.where(hit, starts[None, :], -1).max(dim=1).values
+        use = (found_start < 0) & (latest >= 0)
+        found_start = torch.where(use, latest + n, found_start)
+        matched = torch.where(use, n, matched)
+    cont = found_start.clamp(min=0)[:, None] + torch.arange(k, device=dev)[None, :]
+    drafts = tokens.gather(1, cont.clamp(max=width - 1))
+    available = (seq_len - found_start).clamp(min=0, max=k)
+    num_valid = torch.where((found_start >= 0) & active, available, 0)
+    return Lookup(drafts, num_valid, torch.where(active, matched, 0))
 
 
 class NgramDrafter(Drafter):
@@ -20,25 +55,7 @@ class NgramDrafter(Drafter):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
-        tokens = inp.tokens
-        b, width = tokens.shape
-        seq_len = inp.position + 2  # tokens so far per row, b included
-        rows = torch.arange(b, device=tokens.device)
-        found_start = torch.full((b,), -1, dtype=torch.long, device=tokens.device)  # where the continuation starts
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            suffix = tokens.gather(1, (seq_len[:, None] - n + torch.arange(n, device=tokens.device)).clamp(min=0))
-            windows = tokens.unfold(1, n, 1)  # [B, width - n + 1, n]
-            starts = torch.arange(windows.shape[1], device=tokens.device)
-            # A match must be followed by at least one token that is already known.
-            hit = (windows == suffix[:, None, :]).all(-1) & (starts[None, :] + n < seq_len[:, None])
-            hit &= (seq_len >= n + 1)[:, None]
-            latest = torch.where(hit, starts[None, :], -1).max(dim=1).values
-            use = (found_start < 0) & (latest >= 0)
-            found_start = torch.where(use, latest + n, found_start)
-        cont = found_start.clamp(min=0)[:, None] + torch.arange(k, device=tokens.device)[None, :]
-        drafts = tokens.gather(1, cont.clamp(max=width - 1))
-        available = (seq_len - found_start).clamp(min=0, max=k)
-        num_valid = torch.where((found_start >= 0) & inp.active, available, 0)
-        longest = int(num_valid.max())
+        found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, k, self.max_ngram, self.min_ngram)
+        longest = int(found.num_valid.max())
         # Rounds where nobody has a match verify only [b]: plain decoding cost, no filler drafts.
-        return Draft(drafts[:, :longest], num_valid)
+        return Draft(found.drafts[:, :longest], found.num_valid)

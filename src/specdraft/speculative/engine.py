@@ -59,6 +59,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.k = draft_tokens if drafter is not None else 0
+        self.width = drafter.max_drafts(self.k) if drafter is not None else 0  # most drafts per round
 
     @property
     def device(self) -> torch.device:
@@ -79,7 +80,7 @@ class Engine:
     ) -> list[GenerationResult]:
         """Generate for a batch of tokenized prompts. `on_tokens(row, ids)` streams new ids."""
         self._check(prompts, max_new_tokens)
-        dev, k, b_size = self.device, self.k, len(prompts)
+        dev, k, b_size = self.device, self.width, len(prompts)
         eos = set(eos_token_ids if eos_token_ids is not None else (self.tokenizer.eos_token_ids if self.tokenizer else []))
         generator = None
         if not sampling.greedy:

@@ -1,0 +1,67 @@
+"""The MTP drafter with prompt lookup in front of it ("mtp+ngram").
+
+Small models repeat themselves (lists, templates, loops) and copy from their prompt. Prompt
+lookup predicts those stretches for free and further ahead than the MTP drafter's K; the MTP
+drafter covers the rest. Per row and round: if the sequence's last `min_match` or more tokens
+occurred before, propose up to `lookup_tokens` tokens that followed them; otherwise propose the
+MTP drafter's K. One-token matches are left to the MTP drafter: they are right too rarely.
+
+The choice depends only on tokens already emitted, so with sampling each row's Q is still the
+exact distribution its drafts came from (a point mass for looked-up tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from specdraft.drafters.base import Draft, Drafter, DraftInput
+from specdraft.drafters.mtp.drafter import MTPDrafter
+from specdraft.drafters.ngram import prompt_lookup
+from specdraft.sampling import SamplingParams
+
+LOOKUP_TOKENS = 8
+MIN_MATCH = 2
+MAX_NGRAM = 3
+
+
+class MTPWithLookup(Drafter):
+    kind = "mtp+ngram"
+
+    def __init__(self, mtp: MTPDrafter, lookup_tokens: int = LOOKUP_TOKENS, min_match: int = MIN_MATCH,
+                 max_ngram: int = MAX_NGRAM):
+        self.mtp, self.lookup_tokens = mtp, lookup_tokens
+        self.min_match, self.max_ngram = min_match, max_ngram
+        self.recommended_k = mtp.recommended_k
+        self.row_rounds = {"lookup": 0, "mtp": 0}  # active rows' rounds drafted by each, since creation
+
+    def max_drafts(self, k: int) -> int:
+        return max(k, self.lookup_tokens)
+
+    def nbytes(self) -> int:
+        return self.mtp.nbytes()
+
+    def prepare(self, batch_size: int, capacity: int) -> None:
+        self.mtp.prepare(batch_size, capacity)
+
+    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+        found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, self.lookup_tokens,
+                              self.max_ngram, self.min_match)
+        looked_up = found.num_valid > 0
+        n_lookup, n_active = int(looked_up.sum()), int(inp.active.sum())
+        self.row_rounds["lookup"] += n_lookup
+        self.row_rounds["mtp"] += n_active - n_lookup
+        if n_lookup == n_active:
+            # Every active row has a match: no drafter forward at all this round.
+            return Draft(found.drafts[:, : int(found.num_valid.max())], found.num_valid)
+        mtp = self.mtp.propose(inp, k, sampling, generator)
+        width = max(k, int(found.num_valid.max()))
+        mtp_tokens = F.pad(mtp.tokens, (0, width - k))
+        tokens = torch.where(looked_up[:, None], found.drafts[:, :width], mtp_tokens)
+        num_valid = torch.where(looked_up, found.num_valid, mtp.num_valid)
+        probs = None
+        if mtp.probs is not None:
+            # Looked-up drafts were not sampled: their Q is a point mass on the token.
+            point = F.one_hot(tokens, mtp.probs.shape[-1]).to(mtp.probs.dtype)
+            probs = torch.where(looked_up[:, None, None], point, F.pad(mtp.probs, (0, 0, 0, width - k)))
+        return Draft(tokens, num_valid, probs)

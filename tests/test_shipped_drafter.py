@@ -38,3 +38,11 @@ def test_auto_uses_it_and_greedy_text_is_unchanged(runtime):
     # And it drafts something useful, not just losslessly.
     accepted = sum(r.stats.accepted for r in fast)
     assert accepted > 0.5 * sum(r.stats.target_forwards for r in fast)
+
+
+def test_auto_at_large_cpu_batches_uses_lookup_alone(runtime):
+    # The batch sweep in BENCHMARKS.md: from batch 4 on this CPU, prompt lookup alone is faster.
+    drafter, kind, k = load_drafter(runtime, "auto", None, None, batch_size=3)
+    assert kind == "mtp+ngram"
+    drafter, kind, k = load_drafter(runtime, "auto", None, None, batch_size=4)
+    assert kind == "ngram" and k == 4

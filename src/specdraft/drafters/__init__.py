@@ -15,6 +15,10 @@ from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.errors import SpecdraftError
 
 DEFAULT_K = 4
+# Measured on the project's 2-core CPU (BENCHMARKS.md, batch sweep): from batch 4 up a batch of
+# (K+1)-token verifies is compute-bound there, the MTP drafter's steps cost more than they save,
+# and prompt lookup alone (no drafter forward, a plain step when nothing matches) stays ahead.
+CPU_LOOKUP_ONLY_BATCH = 4
 
 
 def shipped_drafter_path(model_name: str) -> Path | None:
@@ -28,15 +32,20 @@ def shipped_drafter_path(model_name: str) -> Path | None:
     return path if (path / "config.json").exists() else None
 
 
-def load_drafter(rt, kind: str, path: str | None, draft_tokens: int | None) -> tuple[Drafter | None, str, int]:
-    """Resolve --drafter/--drafter-path/--draft-tokens into (drafter, kind actually used, K)."""
+def load_drafter(rt, kind: str, path: str | None, draft_tokens: int | None,
+                 batch_size: int = 1) -> tuple[Drafter | None, str, int]:
+    """Resolve --drafter/--drafter-path/--draft-tokens into (drafter, kind actually used, K).
+    `auto` also looks at the batch size the drafter will serve."""
     if draft_tokens is not None and draft_tokens < 1:
         raise SpecdraftError(f"--draft-tokens must be >= 1, got {draft_tokens}")
     if kind == "auto":
         shipped = shipped_drafter_path(rt.name)
         if shipped is None:
             return None, "none", 0
-        kind, path = "mtp+ngram", str(shipped)
+        if rt.device.type == "cpu" and batch_size >= CPU_LOOKUP_ONLY_BATCH:
+            kind = "ngram"
+        else:
+            kind, path = "mtp+ngram", str(shipped)
     if kind == "none":
         return None, "none", 0
     if kind == "ngram":

@@ -32,8 +32,8 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
                         "for batches of 4 or more on CPU, where it measured faster), else none; "
                         "mtp: a Gemma-4-style MTP drafter from --drafter-path; ngram: prompt lookup "
                         "(no weights); mtp+ngram: prompt lookup (up to 8 tokens) where the last 2-3 tokens "
-                        "occurred before, the MTP drafter elsewhere; draft-model: a small model sharing the tokenizer, from --drafter-path; "
-                        "none: plain decoding")
+                        "occurred before, the MTP drafter elsewhere; draft-model: a small model sharing the "
+                        "tokenizer, from --drafter-path; none: plain decoding")
     p.add_argument("--drafter-path", default=None,
                    help="mtp, mtp+ngram: drafter folder (config.json + model.safetensors); draft-model: a model "
                         "name or path as for --model")

@@ -4,7 +4,8 @@ Small models repeat themselves (lists, templates, loops) and copy from their pro
 lookup predicts those stretches for free and further ahead than the MTP drafter's K; the MTP
 drafter covers the rest. Per row and round: if the sequence's last `min_match` or more tokens
 occurred before, propose up to `lookup_tokens` tokens that followed them; otherwise propose the
-MTP drafter's K. One-token matches are left to the MTP drafter: they are right too rarely.
+MTP drafter's K. One-token matches are left to the MTP drafter: replaying greedy decoding over
+held-out answers of gemma3-270m, requiring 2 matched tokens gave a higher tau than 1 or 3.
 
 The choice depends only on tokens already emitted, so with sampling each row's Q is still the
 exact distribution its drafts came from (a point mass for looked-up tokens).

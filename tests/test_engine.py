@@ -289,3 +289,7 @@ def test_mtp_with_lookup_chooses_per_row(gemma_tiny, drafter_factory) -> None:
     assert draft.tokens[1, :3].tolist() == alone.tokens[1].tolist()
     assert both.row_rounds == {"lookup": 1, "mtp": 1}
     assert both.max_drafts(3) == 8 and both.max_drafts(10) == 10
+    # K above the lookup length: the MTP row drafts 10, the lookup row still its 8.
+    wide = both.propose(inp, 10, SamplingParams(), None)
+    assert wide.tokens.shape == (2, 10) and wide.num_valid.tolist() == [8, 10]
+    assert wide.tokens[0, :8].tolist() == [5, 6, 7, 8, 9, 10, 11, 3]

@@ -57,8 +57,9 @@ class MTPWithLookup(Drafter):
             return Draft(found.drafts[:, : int(found.num_valid.max())], found.num_valid)
         mtp = self.mtp.propose(inp, k, sampling, generator)
         width = max(k, int(found.num_valid.max()))
-        mtp_tokens = F.pad(mtp.tokens, (0, width - k))
-        tokens = torch.where(looked_up[:, None], found.drafts[:, :width], mtp_tokens)
+        # Pad both to the round's width (K may exceed lookup_tokens, or the other way round).
+        looked = F.pad(found.drafts, (0, max(0, width - self.lookup_tokens)))[:, :width]
+        tokens = torch.where(looked_up[:, None], looked, F.pad(mtp.tokens, (0, width - k)))
         num_valid = torch.where(looked_up, found.num_valid, mtp.num_valid)
         probs = None
         if mtp.probs is not None:

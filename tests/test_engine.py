@@ -293,3 +293,21 @@ def test_mtp_with_lookup_chooses_per_row(gemma_tiny, drafter_factory) -> None:
     wide = both.propose(inp, 10, SamplingParams(), None)
     assert wide.tokens.shape == (2, 10) and wide.num_valid.tolist() == [8, 10]
     assert wide.tokens[0, :8].tolist() == [5, 6, 7, 8, 9, 10, 11, 3]
+
+
+def test_lookup_in_a_loop_cycles_the_period(gemma_tiny, drafter_factory) -> None:
+    """In a loop of period 3 the latest match has 3 tokens after it; mtp+ngram cycles them to
+    draft 8, prompt lookup alone (the ngram drafter) proposes the 3 it saw."""
+    target = gemma_tiny.ours
+    row = torch.tensor([[2, 7, 8, 9, 7, 8, 9, 7, 8]])
+    cache = target.new_cache(1, 32)
+    with torch.inference_mode():
+        hidden = target(row[:, :-1], cache)[:, -1]
+    tokens = torch.zeros(1, 32, dtype=torch.long)
+    tokens[:, :9] = row
+    inp = DraftInput(row[:, -1], hidden, torch.tensor([7]), cache, tokens, torch.tensor([True]))
+    both = MTPWithLookup(drafter_factory("mtp-clustered-target", []))
+    draft = both.propose(inp, 3, SamplingParams(), None)
+    assert draft.num_valid.tolist() == [8] and draft.tokens[0].tolist() == [9, 7, 8, 9, 7, 8, 9, 7]
+    alone = NgramDrafter().propose(inp, 8, SamplingParams(), None)
+    assert alone.num_valid.tolist() == [3] and alone.tokens[0, :3].tolist() == [9, 7, 8]

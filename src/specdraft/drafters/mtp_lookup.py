@@ -3,7 +3,8 @@
 Small models repeat themselves (lists, templates, loops) and copy from their prompt. Prompt
 lookup predicts those stretches for free and further ahead than the MTP drafter's K; the MTP
 drafter covers the rest. Per row and round: if the sequence's last `min_match` or more tokens
-occurred before, propose up to `lookup_tokens` tokens that followed them; otherwise propose the
+occurred before, propose `lookup_tokens` tokens that followed them (cycling through them when
+fewer follow, as in a loop); otherwise propose the
 MTP drafter's K. One-token matches are left to the MTP drafter: replaying greedy decoding over
 held-out answers of gemma3-270m, requiring 2 matched tokens gave a higher tau than 1 or 3.
 
@@ -47,7 +48,7 @@ class MTPWithLookup(Drafter):
 
     def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
         found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, self.lookup_tokens,
-                              self.max_ngram, self.min_match)
+                              self.max_ngram, self.min_match, repeat=True)
         looked_up = found.num_valid > 0
         n_lookup, n_active = int(looked_up.sum()), int(inp.active.sum())
         self.row_rounds["lookup"] += n_lookup

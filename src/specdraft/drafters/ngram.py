@@ -23,9 +23,12 @@ class Lookup:
 
 
 def prompt_lookup(tokens: torch.Tensor, seq_len: torch.Tensor, active: torch.Tensor, k: int,
-                  max_ngram: int, min_ngram: int) -> Lookup:
+                  max_ngram: int, min_ngram: int, repeat: bool = False) -> Lookup:
     """For rows whose sequences are tokens[:, :seq_len], find the latest earlier occurrence of the
-    longest suffix n-gram (max_ngram down to min_ngram) and return up to k tokens that followed."""
+    longest suffix n-gram (max_ngram down to min_ngram) and return up to k tokens that followed.
+
+    The latest match is often one period back in a loop, so fewer than k tokens follow it; with
+    `repeat` the continuation cycles through them to fill k (a loop of period 3 drafts 8 tokens)."""
     b, width = tokens.shape
     dev = tokens.device
     found_start = torch.full((b,), -1, dtype=torch.long, device=dev)  # where the continuation starts
@@ -41,9 +44,11 @@ def prompt_lookup(tokens: torch.Tensor, seq_len: torch.Tensor, active: torch.Ten
         use = (found_start < 0) & (latest >= 0)
         found_start = torch.where(use, latest + n, found_start)
         matched = torch.where(use, n, matched)
-    cont = found_start.clamp(min=0)[:, None] + torch.arange(k, device=dev)[None, :]
+    steps = torch.arange(k, device=dev)[None, :]
+    known = (seq_len - found_start).clamp(min=1)  # tokens after the match, up to the current end
+    cont = found_start.clamp(min=0)[:, None] + (steps % known[:, None] if repeat else steps)
     drafts = tokens.gather(1, cont.clamp(max=width - 1))
-    available = (seq_len - found_start).clamp(min=0, max=k)
+    available = torch.full_like(known, k) if repeat else known.clamp(max=k)
     num_valid = torch.where((found_start >= 0) & active, available, 0)
     return Lookup(drafts, num_valid, torch.where(active, matched, 0))
 

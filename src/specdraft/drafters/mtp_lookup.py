@@ -4,9 +4,9 @@ Small models repeat themselves (lists, templates, loops) and copy from their pro
 lookup predicts those stretches for free and further ahead than the MTP drafter's K; the MTP
 drafter covers the rest. Per row and round: if the sequence's last `min_match` or more tokens
 occurred before, propose `lookup_tokens` tokens that followed them (cycling through them when
-fewer follow, as in a loop); otherwise propose the
-MTP drafter's K. One-token matches are left to the MTP drafter: replaying greedy decoding over
-held-out answers of gemma3-270m, requiring 2 matched tokens gave a higher tau than 1 or 3.
+fewer follow, as in a loop); otherwise propose the MTP drafter's K. One-token matches are left
+to the MTP drafter: replaying greedy decoding over held-out answers of gemma3-270m, requiring 2
+matched tokens gave a higher tau than 1 or 3.
 
 The choice depends only on tokens already emitted, so with sampling each row's Q is still the
 exact distribution its drafts came from (a point mass for looked-up tokens).
@@ -50,21 +50,23 @@ class MTPWithLookup(Drafter):
         found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, self.lookup_tokens,
                               self.max_ngram, self.min_match, repeat=True)
         looked_up = found.num_valid > 0
-        n_lookup, n_active = int(looked_up.sum()), int(inp.active.sum())
+        # One host sync for the three numbers the round's shape depends on.
+        n_lookup, n_active, longest = torch.stack([looked_up.sum(), inp.active.sum(), found.num_valid.max()]).tolist()
         self.row_rounds["lookup"] += n_lookup
         self.row_rounds["mtp"] += n_active - n_lookup
         if n_lookup == n_active:
             # Every active row has a match: no drafter forward at all this round.
-            return Draft(found.drafts[:, : int(found.num_valid.max())], found.num_valid)
+            return Draft(found.drafts[:, :longest], found.num_valid)
         mtp = self.mtp.propose(inp, k, sampling, generator)
-        width = max(k, int(found.num_valid.max()))
+        width = max(k, longest)
         # Pad both to the round's width (K may exceed lookup_tokens, or the other way round).
         looked = F.pad(found.drafts, (0, max(0, width - self.lookup_tokens)))[:, :width]
         tokens = torch.where(looked_up[:, None], looked, F.pad(mtp.tokens, (0, width - k)))
         num_valid = torch.where(looked_up, found.num_valid, mtp.num_valid)
         probs = None
         if mtp.probs is not None:
-            # Looked-up drafts were not sampled: their Q is a point mass on the token.
-            point = F.one_hot(tokens, mtp.probs.shape[-1]).to(mtp.probs.dtype)
-            probs = torch.where(looked_up[:, None, None], point, F.pad(mtp.probs, (0, 0, 0, width - k)))
+            probs = F.pad(mtp.probs, (0, 0, 0, width - k))
+            if n_lookup:
+                # Looked-up drafts were not sampled: their Q is a point mass on the token.
+                probs[looked_up] = F.one_hot(tokens[looked_up], probs.shape[-1]).to(probs.dtype)
         return Draft(tokens, num_valid, probs)

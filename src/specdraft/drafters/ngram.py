@@ -19,7 +19,6 @@ from specdraft.sampling import SamplingParams
 class Lookup:
     drafts: torch.Tensor  # [B, K]: the continuation after the match (filler past num_valid)
     num_valid: torch.Tensor  # [B]: 0 where nothing matched or the row is inactive
-    matched: torch.Tensor  # [B]: length of the n-gram that matched (0: none)
 
 
 def prompt_lookup(tokens: torch.Tensor, seq_len: torch.Tensor, active: torch.Tensor, k: int,
@@ -32,7 +31,6 @@ def prompt_lookup(tokens: torch.Tensor, seq_len: torch.Tensor, active: torch.Ten
     b, width = tokens.shape
     dev = tokens.device
     found_start = torch.full((b,), -1, dtype=torch.long, device=dev)  # where the continuation starts
-    matched = torch.zeros(b, dtype=torch.long, device=dev)
     for n in range(max_ngram, min_ngram - 1, -1):
         suffix = tokens.gather(1, (seq_len[:, None] - n + torch.arange(n, device=dev)).clamp(min=0))
         windows = tokens.unfold(1, n, 1)  # [B, width - n + 1, n]
@@ -43,14 +41,13 @@ def prompt_lookup(tokens: torch.Tensor, seq_len: torch.Tensor, active: torch.Ten
         latest = torch.where(hit, starts[None, :], -1).max(dim=1).values
         use = (found_start < 0) & (latest >= 0)
         found_start = torch.where(use, latest + n, found_start)
-        matched = torch.where(use, n, matched)
     steps = torch.arange(k, device=dev)[None, :]
     known = (seq_len - found_start).clamp(min=1)  # tokens after the match, up to the current end
     cont = found_start.clamp(min=0)[:, None] + (steps % known[:, None] if repeat else steps)
     drafts = tokens.gather(1, cont.clamp(max=width - 1))
     available = torch.full_like(known, k) if repeat else known.clamp(max=k)
     num_valid = torch.where((found_start >= 0) & active, available, 0)
-    return Lookup(drafts, num_valid, torch.where(active, matched, 0))
+    return Lookup(drafts, num_valid)
 
 
 class NgramDrafter(Drafter):

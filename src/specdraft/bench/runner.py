@@ -233,7 +233,8 @@ def _method_infos(methods: list[Method], target_bytes: int) -> dict:
         rounds = getattr(drafter, "row_rounds", None)
         if rounds and sum(rounds.values()):
             share = 100 * rounds["lookup"] / sum(rounds.values())
-            m.notes.append(f"prompt lookup drafted {share:.0f}% of row-rounds, the MTP drafter the rest (warm-up included)")
+            m.notes.append(f"prompt lookup drafted {share:.0f}% of row-rounds, the MTP drafter the rest "
+                           "(warm-up included)")
         infos[m.name] = {
             "draft_tokens": m.draft_tokens,
             "max_batch_size": m.max_batch_size,

@@ -7,6 +7,14 @@ lengths share one batch. Writing T tokens puts them at positions lengths[b] .. l
 and get overwritten by the next write. Sliding-window layers keep every position too (no ring
 buffer), so a rollback can never lose an entry that becomes visible again; attention only reads
 the last `window` keys, so compute still follows the window.
+
+Lengths live twice: as a device tensor (positions for RoPE and masks) and as a host list (key
+spans, capacity checks). Keeping the host copy means a forward never waits on the device to
+learn its own shapes; callers that know the new lengths on the host pass a list to `rollback`.
+
+`rows(start, stop)` gives a cache over a contiguous range of rows that shares storage with
+this one: a step-wise engine prefills a joining request through its own row and runs rounds
+over the rows in use, and `copy_row` compacts finished rows away.
 """
 
 from __future__ import annotations
@@ -53,26 +61,61 @@ class KVCache:
         device: torch.device | str = "cpu",
     ):
         """layer_shapes: (kv_heads, head_dim) for every layer that stores K/V, in order."""
-        self.batch_size = batch_size
-        self.capacity = capacity
-        self.k = [torch.zeros(batch_size, h, capacity, d, dtype=dtype, device=device) for h, d in layer_shapes]
-        self.v = [torch.zeros(batch_size, h, capacity, d, dtype=dtype, device=device) for h, d in layer_shapes]
-        self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
-        self._rows = torch.arange(batch_size, device=device)[:, None]
+        k = [torch.zeros(batch_size, h, capacity, d, dtype=dtype, device=device) for h, d in layer_shapes]
+        v = [torch.zeros(batch_size, h, capacity, d, dtype=dtype, device=device) for h, d in layer_shapes]
+        self._init(k, v, torch.zeros(batch_size, dtype=torch.long, device=device), [0] * batch_size, 0)
+
+    def _init(self, k: list[torch.Tensor], v: list[torch.Tensor], lengths: torch.Tensor,
+              host: list[int], offset: int) -> None:
+        self.k, self.v = k, v
+        self.batch_size, self.capacity = lengths.shape[0], k[0].shape[2] if k else 0
+        self.lengths = lengths  # [B] device; updated in place so row views stay in step
+        self._host, self._offset = host, offset  # the host copy is shared with every view
+        self._rows = torch.arange(self.batch_size, device=lengths.device)[:, None]
         # Set by `begin`: positions of the tokens being written in the current forward.
-        self.positions = torch.zeros(batch_size, 0, dtype=torch.long, device=device)
+        self.positions = torch.zeros(self.batch_size, 0, dtype=torch.long, device=lengths.device)
         self._uniform_start: int | None = 0
+        self._span_bounds = (0, 0)
 
     @property
     def device(self) -> torch.device:
         return self.lengths.device
 
+    @property
+    def host_lengths(self) -> list[int]:
+        """Row lengths as Python ints (no device sync)."""
+        return self._host[self._offset : self._offset + self.batch_size]
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
+    # --- rows ------------------------------------------------------------------------------
+    def rows(self, start: int, stop: int) -> "KVCache":
+        """A cache over rows [start, stop) sharing this cache's storage and lengths."""
+        if not 0 <= start < stop <= self.batch_size:
+            raise ValueError(f"rows [{start}, {stop}) outside a cache of {self.batch_size} rows")
+        view = KVCache.__new__(KVCache)
+        view._init([t[start:stop] for t in self.k], [t[start:stop] for t in self.v],
+                   self.lengths[start:stop], self._host, self._offset + start)
+        return view
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Make row dst a copy of row src (its K/V up to its length, and the length)."""
+        n = self.host_lengths[src]
+        for store in (self.k, self.v):
+            for t in store:
+                t[dst, :, :n] = t[src, :, :n]
+        self._set_lengths({dst: n})
+
+    def reset_row(self, row: int) -> None:
+        """Empty one row (a new request takes its place)."""
+        self._set_lengths({row: 0})
+
+    # --- one forward -------------------------------------------------------------------------
     def begin(self, num_tokens: int) -> torch.Tensor:
         """Start a forward of `num_tokens` per row; returns their positions [B, T]."""
-        lo, hi = (int(x) for x in torch.stack([self.lengths.min(), self.lengths.max()]).tolist())
+        host = self.host_lengths
+        lo, hi = min(host), max(host)
         if hi + num_tokens > self.capacity:
             raise ValueError(f"KV cache full: {hi} + {num_tokens} tokens exceed capacity {self.capacity}")
         # Equal lengths (batch 1, or a fresh batch) let writes use a plain slice.
@@ -99,11 +142,27 @@ class KVCache:
 
     def end(self) -> None:
         """Every written token now counts; callers roll back what they do not keep."""
-        self.lengths += self.positions.shape[1]
+        t = self.positions.shape[1]
+        self.lengths += t
+        self._set_host([n + t for n in self.host_lengths])
 
-    def rollback(self, lengths: torch.Tensor) -> None:
-        """Shorten rows to `lengths` [B] (never lengthens). Bookkeeping only: nothing is copied."""
-        self.lengths = torch.minimum(self.lengths, lengths.to(self.lengths))
+    def rollback(self, lengths: torch.Tensor | list[int]) -> None:
+        """Shorten rows to `lengths` [B] (never lengthens). Bookkeeping only: nothing is copied.
+
+        A list costs nothing; a tensor is read back to the host once."""
+        wanted = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
+        if len(wanted) != self.batch_size:
+            raise ValueError(f"rollback got {len(wanted)} lengths for {self.batch_size} rows")
+        self._set_host([min(a, int(b)) for a, b in zip(self.host_lengths, wanted)])
+        self.lengths.copy_(torch.tensor(self.host_lengths, dtype=torch.long), non_blocking=True)
+
+    def _set_host(self, values: list[int]) -> None:
+        self._host[self._offset : self._offset + self.batch_size] = values
+
+    def _set_lengths(self, rows: dict[int, int]) -> None:
+        for row, n in rows.items():
+            self._host[self._offset + row] = n
+            self.lengths[row] = n
 
 
 @dataclass

@@ -202,6 +202,26 @@ def write_word_tokenizer(folder: Path, vocab_size: int, permute_seed: int | None
 
 # --------------------------------------------------------------------------- helpers
 
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+def reduction_depth(cfg) -> int:
+    """Additions behind one logit, roughly: every layer sums over its hidden and MLP widths
+    (`cfg` is a specdraft ModelConfig)."""
+    return cfg.num_layers * (cfg.hidden_size + cfg.intermediate_size)
+
+
+def assert_fp32_close(got: torch.Tensor, ref: torch.Tensor, depth: int) -> None:
+    """`got` and `ref` are the same float32 computation up to rounding.
+
+    Two correct implementations add in different orders (a one-token step vs a prefill, the
+    AVX-512 vs the AMX kernels of another CPU), and each addition may round by eps relative to
+    the values' scale; so the bound is eps x depth x the largest |value|, not a fixed absolute
+    number. A wrong formula moves logits by O(0.1), far above it."""
+    tol = FP32_EPS * depth * float(ref.abs().max())
+    diff = float((got.float() - ref.float()).abs().max())
+    assert diff <= tol, f"max abs diff {diff:.3g} > {tol:.3g} (eps x depth {depth} x max|ref| {ref.abs().max():.3g})"
+
 
 def prompts_of(lengths: list[int], vocab: int, seed: int = 0, low: int = 4) -> list[list[int]]:
     """Random prompts (ids >= `low`, so no special ids) of the given lengths."""

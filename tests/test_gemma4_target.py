@@ -19,9 +19,10 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import assert_fp32_close, reduction_depth  # noqa: E402
-from specdraft.config import FULL, SLIDING, ConfigError, ModelConfig  # noqa: E402
+from specdraft.config import FULL, SLIDING, ConfigError  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 from specdraft.loading import load_folder  # noqa: E402
+from specdraft.models.hf_config import read_model_config  # noqa: E402
 from specdraft.models.gemma4_tiny import (  # noqa: E402
     greedy_sequences,
     moe_overrides,
@@ -132,11 +133,11 @@ def test_google_config_spelling_and_extra_shared_kv_tensors(tmp_path_factory):
     ref = randomize_(transformers.Gemma4ForCausalLM(target_text_config()), seed=6)
     folder = _save(tmp_path_factory, "google_spelling", ref)
     raw = json.loads((folder / "config.json").read_text())
-    via_per_layer = ModelConfig.from_hf(raw)
+    via_per_layer = read_model_config(raw)
     raw.pop("per_layer_config")
     raw.update(global_head_dim=32, num_global_key_value_heads=1)
     (folder / "config.json").write_text(json.dumps(raw))
-    assert ModelConfig.from_hf(raw).extra == via_per_layer.extra
+    assert read_model_config(raw).extra == via_per_layer.extra
     state = load_file(str(folder / "model.safetensors"))
     last = raw["num_hidden_layers"] - 1  # KV-shared
     state[f"model.layers.{last}.self_attn.k_proj.weight"] = torch.zeros(32, 64)
@@ -159,5 +160,5 @@ def test_unsupported_configs_are_refused_by_name(change, message):
     raw = target_text_config().to_dict()
     raw.update(change)
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf(raw)
+        read_model_config(raw)
     assert issubclass(ConfigError, SpecdraftError)

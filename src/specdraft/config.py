@@ -2,13 +2,13 @@
 
 Checkpoints spell the same idea several ways (`rope_theta` + `rope_scaling` in older files,
 `rope_parameters` per layer type in newer ones, Gemma's `rope_local_base_freq`, Qwen's
-`use_sliding_window`...). `ModelConfig.from_hf` turns all of them into one set of fields so
-the model code never has to look at a raw dict.
+`use_sliding_window`...). Each family's parser (`models/hf_config.py` for the Llama family
+and Gemma 3, `models/gemma4_config.py` for Gemma 4) turns them into one set of fields, with
+the shared helpers below, so the model code never has to look at a raw dict.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -16,12 +16,6 @@ from specdraft.errors import SpecdraftError
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-
-# model_type values we run, mapped to the implementation family.
-LLAMA_TYPES = {"llama", "qwen2", "qwen3", "mistral"}
-GEMMA3_TYPES = {"gemma3_text", "gemma3"}
-GEMMA4_TYPES = {"gemma4_text", "gemma4"}
-
 
 class ConfigError(SpecdraftError, ValueError):
     """A config.json we cannot run; the message says which field and why."""
@@ -102,38 +96,14 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    @classmethod
-    def from_hf(cls, raw: dict[str, Any]) -> "ModelConfig":
-        """Build from a config.json dict (a multimodal wrapper's `text_config` is used when present)."""
-        if "text_config" in raw and raw.get("model_type") not in LLAMA_TYPES:
-            text = dict(raw["text_config"])
-            text.setdefault("model_type", raw.get("model_type", "") + "_text")
-            # (Gemma 4 wrappers also name the media placeholder tokens, which embed as padding.)
-            for key in ("eos_token_id", "bos_token_id", "pad_token_id", "tie_word_embeddings",
-                        "image_token_id", "video_token_id", "audio_token_id"):
-                if key not in text and key in raw:
-                    text[key] = raw[key]
-            raw = text
-        model_type = raw.get("model_type", "")
-        if model_type in LLAMA_TYPES:
-            return _llama_family(raw)
-        if model_type in GEMMA3_TYPES:
-            return _gemma3(raw)
-        if model_type in GEMMA4_TYPES:
-            from specdraft.models.gemma4_config import gemma4_config
 
-            return gemma4_config(raw)
-        known = sorted(LLAMA_TYPES | GEMMA3_TYPES | GEMMA4_TYPES)
-        raise ConfigError(f"unsupported model_type {model_type!r} (supported: {', '.join(known)})")
-
-
-def _eos_list(value: Any) -> list[int]:
+def eos_list(value: Any) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
 
 
-def _require(raw: dict[str, Any], *keys: str) -> None:
+def require_fields(raw: dict[str, Any], *keys: str) -> None:
     missing = [k for k in keys if raw.get(k) is None]
     if missing:
         raise ConfigError(f"config.json lacks required field(s): {', '.join(missing)}")
@@ -168,7 +138,8 @@ def rope_params_by_type(raw: dict[str, Any], defaults: dict[str, float]) -> dict
     return out
 
 
-def _layer_types(raw: dict[str, Any], n: int, default_pattern: int | None) -> list[str]:
+def layer_types_of(raw: dict[str, Any], n: int, default_pattern: int | None) -> list[str]:
+    """`layer_types` checked, else every `default_pattern`-th layer full, else all full."""
     types = raw.get("layer_types")
     if types:
         if len(types) != n:
@@ -183,8 +154,9 @@ def _layer_types(raw: dict[str, Any], n: int, default_pattern: int | None) -> li
     return [FULL] * n
 
 
-def _common(raw: dict[str, Any]) -> dict[str, Any]:
-    _require(raw, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+def common_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields every family spells the same way."""
+    require_fields(raw, "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
     heads = int(raw["num_attention_heads"])
     return dict(
         model_type=raw["model_type"],
@@ -198,63 +170,6 @@ def _common(raw: dict[str, Any]) -> dict[str, Any]:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
         bos_token_id=raw.get("bos_token_id"),
-        eos_token_ids=_eos_list(raw.get("eos_token_id")),
+        eos_token_ids=eos_list(raw.get("eos_token_id")),
         pad_token_id=raw.get("pad_token_id"),
-    )
-
-
-def _llama_family(raw: dict[str, Any]) -> ModelConfig:
-    common = _common(raw)
-    n = common["num_layers"]
-    model_type = raw["model_type"]
-    sliding = raw.get("sliding_window")
-    types = raw.get("layer_types")
-    if not types:
-        if model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window") and sliding:
-            # Qwen: layers from max_window_layers on use the window.
-            start = int(raw.get("max_window_layers", n))
-            types = [SLIDING if i >= start else FULL for i in range(n)]
-        elif model_type == "mistral" and sliding:
-            types = [SLIDING] * n
-    layer_types = _layer_types({"layer_types": types}, n, None)
-    if SLIDING not in layer_types:
-        sliding = None
-    rope = rope_params_by_type(raw, {t: 10000.0 for t in sorted(set(layer_types))})
-    is_qwen2 = model_type == "qwen2"
-    return ModelConfig(
-        family="llama",
-        layer_types=layer_types,
-        rope=rope,
-        sliding_window=int(sliding) if sliding else None,
-        hidden_act=raw.get("hidden_act", "silu"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        qkv_bias=True if is_qwen2 else bool(raw.get("attention_bias", False)),
-        o_bias=False if is_qwen2 else bool(raw.get("attention_bias", False)),
-        mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
-        **common,
-    )
-
-
-def _gemma3(raw: dict[str, Any]) -> ModelConfig:
-    common = _common(raw)
-    layer_types = _layer_types(raw, common["num_layers"], int(raw.get("sliding_window_pattern", 6)))
-    rope = rope_params_by_type(raw, {SLIDING: 10000.0, FULL: 1_000_000.0})
-    return ModelConfig(
-        family="gemma3",
-        layer_types=layer_types,
-        rope=rope,
-        sliding_window=int(raw.get("sliding_window") or 4096),
-        hidden_act=raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh",
-        embed_scale=math.sqrt(common["hidden_size"]),
-        attn_scale=float(raw.get("query_pre_attn_scalar", common["head_dim"])) ** -0.5,
-        attn_softcap=raw.get("attn_logit_softcapping"),
-        final_softcap=raw.get("final_logit_softcapping"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
-        qkv_bias=bool(raw.get("attention_bias", False)),
-        o_bias=bool(raw.get("attention_bias", False)),
-        qk_norm=True,
-        norm_offset=True,
-        sandwich_norm=True,
-        **common,
     )

@@ -11,6 +11,7 @@ from specdraft.config import ModelConfig
 from specdraft.errors import SpecdraftError
 from specdraft.loading.presets import DEFAULT_MODEL, PRESETS, resolve_model
 from specdraft.loading.weights import assign_weights, read_safetensors, safetensors_files, text_decoder_weights
+from specdraft.models.hf_config import read_model_config
 
 
 def read_config(folder: Path) -> dict:
@@ -35,7 +36,7 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
 
 def load_folder(folder: Path, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.nn.Module, ModelConfig, list[str]]:
     """Build the model a HF folder's config.json describes and fill it with its safetensors weights."""
-    cfg = ModelConfig.from_hf(read_config(folder))
+    cfg = read_model_config(read_config(folder))
     with torch.device("meta"):
         model = build_model(cfg)
     state, ignored = text_decoder_weights(read_safetensors(safetensors_files(folder)))

@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from specdraft.config import FULL, SLIDING, ConfigError, ModelConfig, RopeParams, _common, _layer_types
+from specdraft.config import FULL, SLIDING, ConfigError, ModelConfig, RopeParams, common_fields, layer_types_of
 
 # transformers' Gemma4TextConfig defaults for fields a config.json may leave out.
 DEFAULT_ROPE = {
@@ -139,9 +139,9 @@ def _rope(raw: dict[str, Any], layer_types: list[str]) -> dict[str, RopeParams]:
 
 def gemma4_config(raw: dict[str, Any]) -> ModelConfig:
     """A ModelConfig (family "gemma4") from a gemma4_text config dict."""
-    common = _common(raw)
+    common = common_fields(raw)
     n = common["num_layers"]
-    layer_types = _layer_types(raw, n, 6)
+    layer_types = layer_types_of(raw, n, 6)
     # transformers forces the last layer to full attention (with a warning); so do we.
     layer_types[-1] = FULL
     if raw.get("use_bidirectional_attention") == "all":

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from specdraft.bench import methods as bench_methods
-from specdraft.bench.methods import BenchContext, Skip, build_method
+from specdraft.bench.methods import BenchContext, Skip
+from specdraft.bench.runner import build_method
 from specdraft.bench.questions import PLAIN_TEMPLATE, Question, encode, read_questions, select
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingParams

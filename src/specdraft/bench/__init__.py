@@ -1,13 +1,13 @@
 """`specdraft bench`: Spec-Bench style measurements, specdraft next to its peers.
 
 questions.py  input files and prompt formatting
-methods.py    one runner per method (specdraft plain/mtp/mtp+ngram/ngram/draft-model) behind one interface
+methods.py    the one interface every method runs behind, and specdraft's own (plain/mtp/mtp+ngram/ngram/draft-model)
 peers.py      the same weights through transformers (hf, hf-pld) and llama.cpp (llama-cpp, llama-cpp-pld)
 memory.py     resident memory: load deltas and peaks while generating
 metrics.py    pure arithmetic on the raw records
 report.py     results.json, results.md and the printed table
 plots.py      PNG figures (matplotlib, Agg)
-runner.py     orchestration: load, warm up, interleave, measure, write
+runner.py     orchestration: load, build each method, warm up, interleave, measure, write
 """
 
 SPECDRAFT_METHODS = ("plain", "mtp", "mtp+ngram", "ngram", "draft-model")

@@ -16,8 +16,6 @@ import torch
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingParams
 
-from specdraft.bench import ALL_METHODS, DEFAULT_METHODS, PEER_METHODS, SPECDRAFT_METHODS  # noqa: F401
-
 
 class Skip(Exception):
     """This method cannot run in this environment; the message says why."""
@@ -124,7 +122,8 @@ def measure_load(load):
     return out, max(0, rss_bytes() - before)
 
 
-def _specdraft(name: str, ctx: BenchContext) -> Method:
+def build_specdraft(name: str, ctx: BenchContext) -> Method:
+    """specdraft plain or with one of its drafters, or raise Skip."""
     from specdraft.drafters import load_drafter, shipped_drafter_path
     from specdraft.loading.presets import PRESETS
 
@@ -158,14 +157,3 @@ def _specdraft(name: str, ctx: BenchContext) -> Method:
             method.notes.append(f"prompt lookup up to {drafter.lookup_tokens} tokens where the last "
                                 f"{drafter.min_match}-{drafter.max_ngram} tokens occurred before")
     return method
-
-
-def build_method(name: str, ctx: BenchContext) -> Method:
-    """Build one method or raise Skip. Peers live in peers.py; their imports are optional."""
-    if name in SPECDRAFT_METHODS:
-        return _specdraft(name, ctx)
-    if name in PEER_METHODS:
-        from specdraft.bench import peers
-
-        return peers.build(name, ctx)
-    raise SpecdraftError(f"unknown method {name!r} (choose from {', '.join(ALL_METHODS)})")

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
+from specdraft.bench import LLAMA_CPP_BUILD
 from specdraft.bench.methods import BatchOutput, BenchContext, Method, RowOutput, Skip, cut_at_eos, measure_load
 
-from specdraft.bench import LLAMA_CPP_BUILD
 PLD_MAX_NGRAM = 3  # the same longest n-gram specdraft's ngram drafter matches
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from specdraft.bench import memory, metrics
-from specdraft.bench.methods import DEFAULT_METHODS, BenchContext, Method, Skip, build_method
+from specdraft.bench import ALL_METHODS, DEFAULT_METHODS, PEER_METHODS, SPECDRAFT_METHODS, memory, metrics, peers
+from specdraft.bench.methods import BenchContext, Method, Skip, build_specdraft
 from specdraft.bench.questions import PLAIN_TEMPLATE, Question, encode, prompt_style, read_questions, select
 from specdraft.errors import SpecdraftError
 from specdraft.loading.presets import DEFAULT_MODEL
@@ -139,6 +139,15 @@ def _method_order(methods: list[Method], g: int) -> list[Method]:
     """Rotate so each method takes each slot in turn; the first-run method is not always first."""
     k = g % len(methods)
     return methods[k:] + methods[:k]
+
+
+def build_method(name: str, ctx: BenchContext) -> Method:
+    """Build one method or raise Skip. Peers' imports (transformers, llama.cpp) are optional."""
+    if name in SPECDRAFT_METHODS:
+        return build_specdraft(name, ctx)
+    if name in PEER_METHODS:
+        return peers.build(name, ctx)
+    raise SpecdraftError(f"unknown method {name!r} (choose from {', '.join(ALL_METHODS)})")
 
 
 def _build_methods(names: list[str], ctx: BenchContext) -> tuple[list[Method], dict[str, str]]:

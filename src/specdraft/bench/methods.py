@@ -126,6 +126,7 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
     """specdraft plain or with one of its drafters, or raise Skip."""
     from specdraft.drafters import load_drafter, shipped_drafter_path
     from specdraft.loading.presets import PRESETS
+    from specdraft.runtime import Runtime
 
     rt = ctx.rt
     if name == "plain":
@@ -142,7 +143,8 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
         if path is None:
             raise Skip("no draft model: give --draft-model NAME|PATH")
     try:
-        (drafter, _, k), delta = measure_load(lambda: load_drafter(rt, name, path, ctx.draft_tokens))
+        (drafter, _, k), delta = measure_load(lambda: load_drafter(rt, name, path, ctx.draft_tokens,
+                                                                   load_runtime=Runtime.load))
     except SpecdraftError as e:
         raise Skip(str(e)) from None
     method = SpecdraftMethod(name, rt, drafter, k, ctx.sampling)

@@ -111,7 +111,7 @@ def run(args) -> int:
     prompts = collect_prompts(args)
     rt = Runtime.load(args.model, args.dtype, args.device)
     drafter, kind, k = load_drafter(rt, args.drafter, args.drafter_path, args.draft_tokens,
-                                    min(args.batch_size, len(prompts)))
+                                    min(args.batch_size, len(prompts)), load_runtime=Runtime.load)
     engine = rt.engine(drafter, k)
     if args.chat and rt.tokenizer.chat_template is None:
         print(f"specdraft: note: {args.model} has no chat template; using plain text", file=sys.stderr)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 from pathlib import Path
+from typing import Any, Callable
 
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.errors import SpecdraftError
@@ -32,10 +33,12 @@ def shipped_drafter_path(model_name: str) -> Path | None:
     return path if (path / "config.json").exists() else None
 
 
-def load_drafter(rt, kind: str, path: str | None, draft_tokens: int | None,
-                 batch_size: int = 1) -> tuple[Drafter | None, str, int]:
+def load_drafter(rt, kind: str, path: str | None, draft_tokens: int | None, batch_size: int = 1,
+                 load_runtime: Callable[[str, str, str], Any] | None = None) -> tuple[Drafter | None, str, int]:
     """Resolve --drafter/--drafter-path/--draft-tokens into (drafter, kind actually used, K).
-    `auto` also looks at the batch size the drafter will serve."""
+    `auto` also looks at the batch size the drafter will serve. `load_runtime(name, dtype,
+    device)` loads a draft model (`Runtime.load`); drafters sit below the runtime and are
+    handed the loader rather than importing it."""
     if draft_tokens is not None and draft_tokens < 1:
         raise SpecdraftError(f"--draft-tokens must be >= 1, got {draft_tokens}")
     if kind == "auto":
@@ -66,7 +69,10 @@ def load_drafter(rt, kind: str, path: str | None, draft_tokens: int | None,
 
         if path is None:
             raise SpecdraftError("--drafter draft-model needs --drafter-path (a model name or path)")
-        return DraftModelDrafter.load(path, rt), kind, draft_tokens or DEFAULT_K
+        if load_runtime is None:
+            raise ValueError("load_drafter: draft-model needs load_runtime")
+        draft_rt = load_runtime(path, rt.dtype_name, str(rt.device))
+        return DraftModelDrafter.sharing_tokenizer(rt, draft_rt), kind, draft_tokens or DEFAULT_K
     raise SpecdraftError(f"unknown drafter kind {kind!r} (use auto, none, mtp, mtp+ngram, ngram or draft-model)")
 
 

@@ -24,10 +24,9 @@ class DraftModelDrafter(Drafter):
         self.cache = None
 
     @classmethod
-    def load(cls, name_or_path: str, target_rt) -> "DraftModelDrafter":
-        from specdraft.runtime import Runtime
-
-        draft_rt = Runtime.load(name_or_path, target_rt.dtype_name, str(target_rt.device))
+    def sharing_tokenizer(cls, target_rt, draft_rt) -> "DraftModelDrafter":
+        """The draft runtime's model, once its tokenizer is checked against the target's
+        (both are loaded runtimes: model, tokenizer, config)."""
         check_same_tokenizer(target_rt.tokenizer, draft_rt.tokenizer, target_rt.config.vocab_size,
                              draft_rt.config.vocab_size)
         return cls(draft_rt.model)

@@ -22,12 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import assert_fp32_close, reduction_depth  # noqa: E402
-from specdraft.config import FULL, SLIDING  # noqa: E402
-from specdraft.drafters.base import DraftInput  # noqa: E402
-from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network  # noqa: E402
-from specdraft.errors import SpecdraftError  # noqa: E402
-from specdraft.loading import load_folder  # noqa: E402
-from specdraft.models.gemma4_tiny import (  # noqa: E402
+from gemma4_tiny import (  # noqa: E402
     assistant_config,
     follow_transitions_,
     greedy_sequences,
@@ -35,6 +30,11 @@ from specdraft.models.gemma4_tiny import (  # noqa: E402
     randomize_,
     target_text_config,
 )
+from specdraft.config import FULL, SLIDING  # noqa: E402
+from specdraft.drafters.base import DraftInput  # noqa: E402
+from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network  # noqa: E402
+from specdraft.errors import SpecdraftError  # noqa: E402
+from specdraft.loading import load_folder  # noqa: E402
 from specdraft.sampling import SamplingParams  # noqa: E402
 from specdraft.speculative.engine import Engine  # noqa: E402
 

@@ -19,17 +19,17 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from conftest import assert_fp32_close, reduction_depth  # noqa: E402
-from specdraft.config import FULL, SLIDING, ConfigError  # noqa: E402
-from specdraft.errors import SpecdraftError  # noqa: E402
-from specdraft.loading import load_folder  # noqa: E402
-from specdraft.models.hf_config import read_model_config  # noqa: E402
-from specdraft.models.gemma4_tiny import (  # noqa: E402
+from gemma4_tiny import (  # noqa: E402
     greedy_sequences,
     moe_overrides,
     multimodal_config,
     randomize_,
     target_text_config,
 )
+from specdraft.config import FULL, SLIDING, ConfigError  # noqa: E402
+from specdraft.errors import SpecdraftError  # noqa: E402
+from specdraft.loading import load_folder  # noqa: E402
+from specdraft.models.hf_config import read_model_config  # noqa: E402
 from specdraft.speculative.engine import Engine  # noqa: E402
 
 CONFIGS = {

@@ -1,6 +1,6 @@
 """Tiny random Gemma 4 checkpoints (target + assistant), in the exact Hugging Face layout.
 
-    python -m specdraft.models.gemma4_tiny OUT_DIR [--text-only] [--moe] [--dense-head] [--seed N]
+    python tools/gemma4_tiny.py OUT_DIR [--text-only] [--moe] [--dense-head] [--seed N]
 
 writes OUT_DIR/target (Gemma4ForConditionalGeneration with tiny vision and audio towers, or
 Gemma4ForCausalLM with --text-only; plus tokenizer.json / tokenizer_config.json) and
@@ -13,7 +13,9 @@ accepted and rejected drafts. Useful to try the CLI end to end without downloadi
     specdraft generate "hello world" --model OUT_DIR/target --drafter mtp \\
         --drafter-path OUT_DIR/assistant --dtype float32
 
-The config builders are also what the Gemma 4 tests use. Needs `transformers` (the test extra).
+The config builders are also what the Gemma 4 tests use (pytest puts tools/ on the path).
+A tool, not part of the package: it needs `transformers` (the test extra), which specdraft
+itself never imports.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-SLIDING, FULL = "sliding_attention", "full_attention"
+from specdraft.config import FULL, SLIDING
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
 DEMO_PROMPTS = ["hello world"]
 CHAT_TEMPLATE = (
@@ -225,7 +227,7 @@ def build(out_dir: Path, text_only: bool = False, moe: bool = False, dense_head:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specdraft.models.gemma4_tiny",
+    p = argparse.ArgumentParser(prog="python tools/gemma4_tiny.py",
                                 description="Write tiny random Gemma 4 target + assistant checkpoints (HF layout).")
     p.add_argument("out_dir", type=Path)
     p.add_argument("--text-only", action="store_true", help="Gemma4ForCausalLM instead of the multimodal wrapper")

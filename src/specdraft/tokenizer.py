@@ -87,20 +87,24 @@ class Tokenizer:
 class StreamDecoder:
     """Turns a growing list of token ids into text increments without splitting characters.
 
-    Decoding token by token breaks multi-byte characters and SentencePiece spaces; decoding the
-    whole tail since the last flushed point and emitting only the new, complete part does not.
+    Decoding token by token breaks multi-byte characters and SentencePiece spaces (a decoder
+    drops the leading space of the first token it sees). So each push decodes a short window,
+    the ids of the previous increment (context) followed by the new ones, and emits what the
+    new ids add to the context's text; an incomplete UTF-8 sequence waits for more ids. The
+    work per push is bounded by the window, never by the length of the output so far.
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
-        self.flushed_text = ""
+        self.window: list[int] = []  # context ids, then ids whose text is not out yet
+        self.context = 0  # window[:context] were emitted already
 
     def push(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        text = self.tokenizer.decode(self.ids)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for more bytes
+        self.window.extend(new_ids)
+        before = self.tokenizer.decode(self.window[: self.context])
+        text = self.tokenizer.decode(self.window)
+        if text.endswith("\ufffd") or len(text) <= len(before):  # incomplete bytes, or only specials
             return ""
-        delta = text[len(self.flushed_text):]
-        self.flushed_text = text
-        return delta
+        self.window = self.window[self.context :]
+        self.context = len(self.window)
+        return text[len(before) :]

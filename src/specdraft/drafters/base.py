@@ -37,6 +37,9 @@ class Draft:
     tokens: torch.Tensor  # [B, K']
     num_valid: torch.Tensor  # [B]: drafts past this per row are filler, never accepted
     probs: torch.Tensor | None = None  # [B, K', V]: the distribution each draft was sampled from
+    # [B] bool, for drafters that mix sources (mtp+ngram): rows whose drafts came from prompt
+    # lookup. None: every row's drafts came from the drafter's own kind.
+    lookup: torch.Tensor | None = None
 
 
 class Drafter:
@@ -45,7 +48,17 @@ class Drafter:
     kind: str = "none"
 
     def prepare(self, batch_size: int, capacity: int) -> None:
-        """Called once per batch before the first round (allocate per-batch state here)."""
+        """Called once per batch before the first round (allocate per-batch state here).
+
+        The engine may then propose for fewer rows than `batch_size`: rows 0..n-1 of a round
+        are always the first n prepared rows (finished rows are compacted away)."""
+
+    def reset_row(self, row: int) -> None:
+        """A new request takes row `row`: forget what was kept for it. Stateless drafters ignore it."""
+
+    def move_row(self, src: int, dst: int) -> None:
+        """The request in row `src` moves to row `dst` (compaction); `src` becomes free.
+        Drafters keeping per-row state (a cache, an index) move it along."""
 
     def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
         raise NotImplementedError

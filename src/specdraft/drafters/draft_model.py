@@ -34,13 +34,19 @@ class DraftModelDrafter(Drafter):
     def prepare(self, batch_size: int, capacity: int) -> None:
         self.cache = self.model.new_cache(batch_size, capacity + 1)
 
+    def reset_row(self, row: int) -> None:
+        self.cache.reset_row(row)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.cache.copy_row(src, dst)
+
     def nbytes(self) -> int:
         weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         return weights + (self.cache.nbytes() if self.cache is not None else 0)
 
     @torch.inference_mode()
     def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
-        cache, dev = self.cache, inp.tokens.device
+        cache, dev = self.cache.rows(0, inp.tokens.shape[0]), inp.tokens.device  # the round's rows
         seq_len = inp.position + 2  # tokens known per row, b included
         cache.rollback(seq_len - 1)  # never beyond what the target accepted
         start = cache.lengths.clone()

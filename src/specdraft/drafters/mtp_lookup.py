@@ -56,7 +56,7 @@ class MTPWithLookup(Drafter):
         self.row_rounds["mtp"] += n_active - n_lookup
         if n_lookup == n_active:
             # Every active row has a match: no drafter forward at all this round.
-            return Draft(found.drafts[:, :longest], found.num_valid)
+            return Draft(found.drafts[:, :longest], found.num_valid, lookup=looked_up)
         mtp = self.mtp.propose(inp, k, sampling, generator)
         width = max(k, longest)
         # Pad both to the round's width (K may exceed lookup_tokens, or the other way round).
@@ -69,4 +69,4 @@ class MTPWithLookup(Drafter):
             if n_lookup:
                 # Looked-up drafts were not sampled: their Q is a point mass on the token.
                 probs[looked_up] = F.one_hot(tokens[looked_up], probs.shape[-1]).to(probs.dtype)
-        return Draft(tokens, num_valid, probs)
+        return Draft(tokens, num_valid, probs, lookup=looked_up)

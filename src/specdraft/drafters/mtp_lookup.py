@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.drafters.base import Draft, Drafter, DraftInput
+from specdraft.drafters.lookup_index import LookupIndex
 from specdraft.drafters.mtp.drafter import MTPDrafter
 from specdraft.drafters.ngram import prompt_lookup
 from specdraft.sampling import SamplingParams
@@ -34,6 +35,7 @@ class MTPWithLookup(Drafter):
                  max_ngram: int = MAX_NGRAM):
         self.mtp, self.lookup_tokens = mtp, lookup_tokens
         self.min_match, self.max_ngram = min_match, max_ngram
+        self.index = LookupIndex(min_match, max_ngram)
         self.recommended_k = mtp.recommended_k
         self.row_rounds = {"lookup": 0, "mtp": 0}  # active rows' rounds drafted by each, since creation
 
@@ -45,10 +47,11 @@ class MTPWithLookup(Drafter):
 
     def prepare(self, batch_size: int, capacity: int) -> None:
         self.mtp.prepare(batch_size, capacity)
+        self.index.reset(batch_size)
 
     def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
-        found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, self.lookup_tokens,
-                              self.max_ngram, self.min_match, repeat=True)
+        found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, self.lookup_tokens, self.index,
+                              repeat=True)
         looked_up = found.num_valid > 0
         # One host sync for the three numbers the round's shape depends on.
         n_lookup, n_active, longest = torch.stack([looked_up.sum(), inp.active.sum(), found.num_valid.max()]).tolist()

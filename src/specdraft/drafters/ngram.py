@@ -1,8 +1,8 @@
 """Prompt lookup: propose what followed the last time the current n-gram appeared.
 
 Training-free. Strong when the output copies from the prompt (code edits, summaries, RAG) or
-repeats itself. Searches prompt + output so far, longest n first, most recent match first.
-All rows are searched at once with tensor ops; there is no per-row Python loop.
+repeats itself. Searches prompt + output so far, longest n first, most recent match first,
+through an index that grows with the text (lookup_index.py) rather than a rescan per round.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specdraft.drafters.base import Draft, Drafter, DraftInput
+from specdraft.drafters.lookup_index import LookupIndex
 from specdraft.sampling import SamplingParams
 
 
@@ -22,25 +23,16 @@ class Lookup:
 
 
 def prompt_lookup(tokens: torch.Tensor, seq_len: torch.Tensor, active: torch.Tensor, k: int,
-                  max_ngram: int, min_ngram: int, repeat: bool = False) -> Lookup:
+                  index: LookupIndex, repeat: bool = False) -> Lookup:
     """For rows whose sequences are tokens[:, :seq_len], find the latest earlier occurrence of the
-    longest suffix n-gram (max_ngram down to min_ngram) and return up to k tokens that followed.
+    longest suffix n-gram (the index's max_ngram down to min_ngram) and return up to k tokens
+    that followed.
 
     The latest match is often one period back in a loop, so fewer than k tokens follow it; with
     `repeat` the continuation cycles through them to fill k (a loop of period 3 drafts 8 tokens)."""
-    b, width = tokens.shape
+    width = tokens.shape[1]
     dev = tokens.device
-    found_start = torch.full((b,), -1, dtype=torch.long, device=dev)  # where the continuation starts
-    for n in range(max_ngram, min_ngram - 1, -1):
-        suffix = tokens.gather(1, (seq_len[:, None] - n + torch.arange(n, device=dev)).clamp(min=0))
-        windows = tokens.unfold(1, n, 1)  # [B, width - n + 1, n]
-        starts = torch.arange(windows.shape[1], device=dev)
-        # A match must be followed by at least one token that is already known.
-        hit = (windows == suffix[:, None, :]).all(-1) & (starts[None, :] + n < seq_len[:, None])
-        hit &= (seq_len >= n + 1)[:, None]
-        latest = torch.where(hit, starts[None, :], -1).max(dim=1).values
-        use = (found_start < 0) & (latest >= 0)
-        found_start = torch.where(use, latest + n, found_start)
+    found_start = index.continuation_starts(tokens, seq_len)  # where the continuation starts, or -1
     steps = torch.arange(k, device=dev)[None, :]
     known = (seq_len - found_start).clamp(min=1)  # tokens after the match, up to the current end
     cont = found_start.clamp(min=0)[:, None] + (steps % known[:, None] if repeat else steps)
@@ -55,9 +47,13 @@ class NgramDrafter(Drafter):
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.index = LookupIndex(min_ngram, max_ngram)
+
+    def prepare(self, batch_size: int, capacity: int) -> None:
+        self.index.reset(batch_size)
 
     def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
-        found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, k, self.max_ngram, self.min_ngram)
+        found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, k, self.index)
         longest = int(found.num_valid.max())
         # Rounds where nobody has a match verify only [b]: plain decoding cost, no filler drafts.
         return Draft(found.drafts[:, :longest], found.num_valid)

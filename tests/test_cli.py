@@ -3,13 +3,16 @@ traceback), and a working tiny-model run with --json and streaming output."""
 
 from __future__ import annotations
 
+import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
 
 from conftest import make_tiny, write_word_tokenizer
+from specdraft.cli.generate import DRAFTER_KINDS
 from specdraft.cli.main import main
 from specdraft.drafters.mtp import drafter_config_for, init_network, save_network
 from specdraft.speculative.engine import Engine
@@ -48,15 +51,26 @@ def assert_one_line_error(code: int, err: str, *needles: str) -> None:
         assert needle in lines[0], (needle, lines[0])
 
 
+def _subparser(name: str):
+    from specdraft.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
 def test_generate_help_mentions_every_flag(capsys) -> None:
     with pytest.raises(SystemExit) as e:
         main(["generate", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
+    actions = {a.option_strings[0]: a for a in _subparser("generate")._actions if a.option_strings}
+    assert set(actions) == set(FLAGS) | {"-h", "--debug"}  # a new flag must be added to FLAGS
     for flag in FLAGS:
-        assert flag in out, flag
-    for kind in ("auto", "none", "mtp", "ngram", "draft-model"):
-        assert kind in out
+        # Listed as an option of its own ("--drafter" is not satisfied by "--drafter-path"), with help.
+        assert re.search(rf"^\s+{re.escape(flag)}(?![\w-])", out, re.MULTILINE), flag
+        assert actions[flag].help, flag
+    for kind in DRAFTER_KINDS:
+        assert re.search(rf"(^|; ){re.escape(kind)}:", actions["--drafter"].help), kind  # each kind explained
 
 
 def test_unknown_model(capsys) -> None:
@@ -92,7 +106,11 @@ def test_prompt_longer_than_context(capsys, model_dir) -> None:
 
 @pytest.mark.parametrize("args,needle", [
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-    (["--temperature", "-1"], "temperature must be >= 0"),
+    (["--temperature", "-1"], "temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+    (["--temperature", "inf"], "temperature must be a finite number >= 0, got inf"),
+    (["--top-p", "nan"], "top-p must be in (0, 1]"),
+    (["--stop", ""], "--stop needs a non-empty string"),
     (["--top-p", "0"], "top-p must be in (0, 1]"),
     (["--top-p", "1.5"], "top-p must be in (0, 1]"),
     (["--top-k", "-2"], "top-k must be >= 0"),
@@ -219,3 +237,84 @@ def test_batched_text_output_numbers_every_prompt(capsys, model_dir, tmp_path) -
     headers = [line for line in out.splitlines() if line.startswith("=== prompt")]
     assert headers == ["=== prompt 1 ===", "=== prompt 2 ===", "=== prompt 3 ==="]
     assert err.startswith("[specdraft] 12 tokens") and "plain decoding" in err
+
+
+@pytest.mark.parametrize("args,note", [
+    (["--drafter", "none", "--drafter-path", "x"], "--drafter-path is ignored with --drafter none"),
+    (["--drafter", "ngram", "--drafter-path", "x"], "--drafter-path is ignored with --drafter ngram"),
+    (["--drafter", "auto", "--drafter-path", "x"], "--drafter-path is ignored with --drafter auto"),
+    (["--drafter", "none", "--draft-tokens", "3"], "--draft-tokens is ignored: no drafter runs"),
+    (["--draft-tokens", "3"], "--draft-tokens is ignored: no drafter runs (--drafter auto)"),  # none ships
+])
+def test_flags_that_do_not_apply_are_named(capsys, model_dir, args, note) -> None:
+    code, out, err = run(capsys, *base(model_dir, "--max-new-tokens", "2", "--json", *args))
+    assert code == 0, err
+    assert f"specdraft: note: {note}" in err
+
+
+def test_no_note_where_flags_apply(capsys, model_dir) -> None:
+    code, _, err = run(capsys, *base(model_dir, "--max-new-tokens", "2", "--json", "--drafter", "ngram",
+                                     "--draft-tokens", "3"))
+    assert code == 0 and "note" not in err
+
+
+def test_corrupt_tokenizer_config(capsys, model_dir, tmp_path) -> None:
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    (bad / "tokenizer_config.json").write_text('{"bos_token": ')
+    code, _, err = run(capsys, *base(bad))
+    assert_one_line_error(code, err, "tokenizer_config.json", "cannot read it as JSON")
+
+
+def test_unexpected_failure_is_one_line_with_a_hint(capsys, model_dir, monkeypatch) -> None:
+    from specdraft.speculative.engine import Engine as EngineClass
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("CUDA out of memory.\nTried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(EngineClass, "generate", out_of_memory)
+    code, _, err = run(capsys, *base(model_dir))
+    assert code == 1 and "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines == ["specdraft: error: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (try a smaller "
+                     "--batch-size or --max-new-tokens, --dtype bfloat16, or another --device)"]
+    # --debug, before or after the subcommand, shows where it came from.
+    for argv in (["--debug", *base(model_dir)], [*base(model_dir), "--debug"]):
+        code, _, err = run(capsys, *argv)
+        assert code == 1 and "Traceback" in err and "out_of_memory" in err
+
+
+def _assert_one_line_usage_error(capsys, argv: list[str]) -> None:
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own checks exit from inside parse_args
+        code = e.code
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert code == 2, (argv, err)
+    assert "Traceback" not in err and len(lines) == 1, (argv, err)
+    assert re.match(r"specdraft( [\w-]+)?: error: ", lines[0]), lines[0]
+
+
+def test_every_subcommand_refuses_bad_input_in_one_line(capsys, tmp_path) -> None:
+    """Each subcommand `specdraft --help` lists, given input it cannot use: exit code 2, one line."""
+    from specdraft.cli.main import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = str(tmp_path / "missing")
+    cases = {
+        "generate": [["generate", "hi", "--temperature", "nan"], ["generate", "hi", "--top-k", "many"]],
+        "models": [["models", "--bogus"]],
+        "bench": [["bench"], ["bench", "--questions", missing, "--model", missing]],
+        "train-drafter": [["train-drafter", "--out", missing, "--prompts", missing, "--steps", "0"],
+                          ["train-drafter", "--out", missing, "--prompts", missing, "--model", missing]],
+        "eval-drafter": [["eval-drafter", "--prompts", missing, "--ks", "x"],
+                         ["eval-drafter", "--prompts", missing, "--temperatures", "nan"]],
+        "init-drafter": [["init-drafter", "--out", missing, "--model", missing]],
+    }
+    assert set(cases) >= set(sub.choices), "add bad-input cases for the new subcommand"
+    for argvs in cases.values():
+        for argv in argvs:
+            _assert_one_line_usage_error(capsys, argv)
+    _assert_one_line_usage_error(capsys, ["no-such-command"])

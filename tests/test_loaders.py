@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import pickle
+import time
 from pathlib import Path
 
 import gguf
@@ -407,3 +408,33 @@ def test_missing_paths_are_named(tmp_path: Path) -> None:
     (tmp_path / "w.bin").write_bytes(b"x")
     with pytest.raises(SpecdraftError, match="expected a .gguf file"):
         resolve_model(str(tmp_path / "w.bin"))
+
+
+def test_two_conversions_of_one_model_do_not_race(tmp_path, monkeypatch) -> None:
+    """Two processes converting the same GGUF: one converts, the other waits and uses its folder;
+    neither sees a half-written folder or deletes the other's."""
+    import threading
+
+    from specdraft.loading import gguf_file, presets
+
+    calls = []
+
+    def slow_convert(gguf, out, progress=True):
+        calls.append(out)
+        for name in ("config.json", "model.safetensors"):
+            (out / name).write_text("x")
+            time.sleep(0.05)  # the other one arrives mid-conversion
+        (out / "tokenizer.json").write_text("x")
+
+    monkeypatch.setattr(gguf_file, "convert_gguf", slow_convert)
+    folder = tmp_path / "models" / "m"
+    folder.mkdir(parents=True)  # a stale, incomplete folder from an interrupted older version
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(presets._convert_into(tmp_path / "m.gguf", folder,
+                                                                                      False))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and results == [folder, folder] and presets.is_converted(folder)
+    assert sorted(p.name for p in folder.parent.iterdir()) == [".m.lock", "m"]  # no temporary folder left

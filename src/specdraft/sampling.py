@@ -7,6 +7,7 @@ the drafter's Q to be exactly what it sampled from; it does not need Q to resemb
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +23,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise SpecdraftError(f"temperature must be >= 0, got {self.temperature}")
+        # `not` around each range check so NaN (which fails every comparison) is refused too.
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise SpecdraftError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SpecdraftError(f"top-p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

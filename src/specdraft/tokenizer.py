@@ -20,6 +20,16 @@ def _token_text(value: Any) -> str | None:
     return value
 
 
+def _read_json(path: Path) -> dict:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SpecdraftError(f"{path}: cannot read it as JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise SpecdraftError(f"{path}: expected a JSON object, got {type(config).__name__}")
+    return config
+
+
 class Tokenizer:
     def __init__(self, folder: Path, eos_token_ids: list[int] | None = None):
         from tokenizers import Tokenizer as HFTokenizer
@@ -32,7 +42,7 @@ class Tokenizer:
         except Exception as e:
             raise SpecdraftError(f"{path}: cannot read tokenizer ({e})") from None
         config_path = folder / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.exists() else {}
+        config = _read_json(config_path) if config_path.exists() else {}
         self.chat_template: str | None = config.get("chat_template")
         template_file = folder / "chat_template.jinja"
         if self.chat_template is None and template_file.exists():

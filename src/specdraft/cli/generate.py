@@ -107,11 +107,15 @@ def run(args) -> int:
         raise SpecdraftError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens < 1:
         raise SpecdraftError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if any(s == "" for s in args.stop):
+        raise SpecdraftError("--stop needs a non-empty string (an empty one would stop at once)")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     prompts = collect_prompts(args)
     rt = Runtime.load(args.model, args.dtype, args.device)
     drafter, kind, k = load_drafter(rt, args.drafter, args.drafter_path, args.draft_tokens,
                                     min(args.batch_size, len(prompts)), load_runtime=Runtime.load)
+    for note in ignored_flags(args, kind):
+        print(f"specdraft: note: {note}", file=sys.stderr)
     engine = rt.engine(drafter, k)
     if args.chat and rt.tokenizer.chat_template is None:
         print(f"specdraft: note: {args.model} has no chat template; using plain text", file=sys.stderr)
@@ -137,6 +141,18 @@ def run(args) -> int:
             total = merge([r.stats for r in results])
             print(summary_line(total, time.perf_counter() - t0, kind, k), file=sys.stderr)
     return 0
+
+
+def ignored_flags(args, kind: str) -> list[str]:
+    """Flags the chosen drafter does not read (`kind` is what --drafter resolved to)."""
+    notes = []
+    if args.drafter_path is not None and args.drafter in ("auto", "none", "ngram"):
+        used = " (it uses the drafter shipped for the model)" if args.drafter == "auto" else ""
+        notes.append(f"--drafter-path is ignored with --drafter {args.drafter}{used}; it applies to mtp, "
+                     "mtp+ngram and draft-model")
+    if args.draft_tokens is not None and kind == "none":
+        notes.append(f"--draft-tokens is ignored: no drafter runs (--drafter {args.drafter})")
+    return notes
 
 
 def _streamer(tokenizer):

@@ -196,9 +196,10 @@ def _parse_ks(text: str) -> list[int]:
 
 def run_eval(args) -> int:
     from specdraft.drafters import load_drafter, shipped_drafter_path
-    from specdraft.runtime import Runtime
-    from specdraft.training.evaluate import evaluate_drafter
     from specdraft.prompts import read_prompts
+    from specdraft.runtime import Runtime
+    from specdraft.sampling import SamplingParams
+    from specdraft.training.evaluate import evaluate_drafter
 
     ks = _parse_ks(args.ks)
     if not ks or min(ks) < 1:
@@ -207,6 +208,8 @@ def run_eval(args) -> int:
         temps = [float(t) for t in args.temperatures.split(",")]
     except ValueError:
         raise SpecdraftError(f"--temperatures expects numbers like 0,1; got {args.temperatures!r}") from None
+    for t in temps:
+        SamplingParams(t)  # refuses NaN, infinities and negatives before the model loads
     rt = Runtime.load(args.model, args.dtype, args.device)
     path = args.drafter_path or shipped_drafter_path(rt.name)
     if path is None:

@@ -7,11 +7,13 @@ loads take seconds.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -71,21 +73,33 @@ def preset_dir(name: str) -> Path:
     return cache_root() / "models" / name
 
 
+@contextmanager
+def _conversion_lock(folder: Path):
+    """Held while one process converts into `folder`; a second one waits, then finds it done."""
+    with open(folder.parent / f".{folder.name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, even if the process dies
+        yield
+
+
 def _convert_into(gguf: Path, folder: Path, progress: bool) -> Path:
     from specdraft.loading.gguf_file import convert_gguf
 
     if is_converted(folder):
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    # Convert into a temporary sibling and rename, so an interrupted run leaves no half folder.
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
-    try:
-        convert_gguf(gguf, tmp, progress=progress)
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with _conversion_lock(folder):
+        if is_converted(folder):  # another process converted it while we waited
+            return folder
+        # Convert into a temporary sibling and rename, so no reader ever sees a half folder
+        # and an interrupted run leaves none behind.
+        tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+        try:
+            convert_gguf(gguf, tmp, progress=progress)
+            if folder.exists():  # an incomplete folder from an older version; nobody reads it
+                shutil.rmtree(folder)
+            tmp.rename(folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

@@ -51,11 +51,10 @@ def assert_one_line_error(code: int, err: str, *needles: str) -> None:
         assert needle in lines[0], (needle, lines[0])
 
 
-def _subparser(name: str):
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
     from specdraft.cli.main import build_parser
 
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices[name]
+    return next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices
 
 
 def test_generate_help_mentions_every_flag(capsys) -> None:
@@ -63,7 +62,7 @@ def test_generate_help_mentions_every_flag(capsys) -> None:
         main(["generate", "--help"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    actions = {a.option_strings[0]: a for a in _subparser("generate")._actions if a.option_strings}
+    actions = {a.option_strings[0]: a for a in _subcommands()["generate"]._actions if a.option_strings}
     assert set(actions) == set(FLAGS) | {"-h", "--debug"}  # a new flag must be added to FLAGS
     for flag in FLAGS:
         # Listed as an option of its own ("--drafter" is not satisfied by "--drafter-path"), with help.
@@ -299,9 +298,6 @@ def _assert_one_line_usage_error(capsys, argv: list[str]) -> None:
 
 def test_every_subcommand_refuses_bad_input_in_one_line(capsys, tmp_path) -> None:
     """Each subcommand `specdraft --help` lists, given input it cannot use: exit code 2, one line."""
-    from specdraft.cli.main import build_parser
-
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     missing = str(tmp_path / "missing")
     cases = {
         "generate": [["generate", "hi", "--temperature", "nan"], ["generate", "hi", "--top-k", "many"]],
@@ -313,7 +309,7 @@ def test_every_subcommand_refuses_bad_input_in_one_line(capsys, tmp_path) -> Non
                          ["eval-drafter", "--prompts", missing, "--temperatures", "nan"]],
         "init-drafter": [["init-drafter", "--out", missing, "--model", missing]],
     }
-    assert set(cases) >= set(sub.choices), "add bad-input cases for the new subcommand"
+    assert set(cases) >= set(_subcommands()), "add bad-input cases for the new subcommand"
     for argvs in cases.values():
         for argv in argvs:
             _assert_one_line_usage_error(capsys, argv)

@@ -246,7 +246,8 @@ class OracleDrafter(Drafter):
 
     It also checks the engine's bookkeeping: the sequence the engine hands over
     (`tokens[:, :p + 2]`) must be the true prefix for every active row.
-    Rows are matched by index to `sequences` (prompt + plain continuation, long enough).
+    Requests are matched in the order they join to `sequences` (prompt + plain continuation,
+    long enough), and followed as the engine moves them between rows.
     """
 
     kind = "oracle"
@@ -257,7 +258,17 @@ class OracleDrafter(Drafter):
         self.rounds: list[dict] = []  # per round: position, num_valid, active (for stats checks)
 
     def prepare(self, batch_size: int, capacity: int) -> None:
-        assert batch_size == len(self.sequences)
+        assert batch_size >= len(self.sequences)
+        self.joined = 0
+        self.slot_seq: dict[int, int] = {}  # engine slot -> index into sequences
+
+    def reset_row(self, row: int) -> None:
+        # Requests join in order, so the n-th reset slot holds the n-th sequence.
+        self.slot_seq[row] = self.joined
+        self.joined += 1
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.slot_seq[dst] = self.slot_seq[src]
 
     def nbytes(self) -> int:
         return 0
@@ -267,7 +278,7 @@ class OracleDrafter(Drafter):
         drafts = torch.zeros(b, k, dtype=torch.long)
         for i in range(b):
             p = int(inp.position[i])
-            seq = self.sequences[i]
+            seq = self.sequences[self.slot_seq[i]]
             if bool(inp.active[i]):
                 assert inp.tokens[i, : p + 2].tolist() == seq[: p + 2], f"row {i}: engine history is wrong"
                 assert int(inp.last_token[i]) == seq[p + 1]

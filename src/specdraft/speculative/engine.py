@@ -1,58 +1,63 @@
-"""The generation loop: prefill, then rounds of draft -> verify -> accept, for a batch of rows.
+"""The generation loop, one step at a time: requests join and leave between rounds.
 
 Plain decoding is the same loop with no drafter (every round verifies just [b], K = 0), so
-there is one code path to make fast and to prove exact. Per round, per row:
+there is one code path to make fast and to prove exact. Per round, per decoding row:
 
     drafts d1..dK      = drafter.propose(b, hidden at p, target cache 0..p)
     P0..PK             = target([b, d1..dK]) at positions p+1..p+K+1   (one forward)
     n, t               = verify (greedy or rejection sampling)
     emit d1..dn, t;      cache.rollback(p + n + 2);  p += n + 1;  b = t
 
-Rows keep their own p, acceptance and stop state; finished rows stay in the batch with their
-cache frozen and their outputs ignored.
+Rows live in the slots of one preallocated cache: slots [0, n_dec) decode, the slots after them
+hold requests still prefilling (chunk by chunk, so a long prompt never stalls the others for more
+than one chunk per step). A finished row leaves at once: the last decoding row moves into its
+slot, so a round always covers the contiguous rows 0..n_dec-1 and no compute goes to dead rows.
+`generate()` is the same engine driven to completion for one batch.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from collections import deque
 from typing import Callable
 
 import torch
 
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.errors import SpecdraftError
-from specdraft.sampling import SamplingParams, probabilities, sample
+from specdraft.sampling import SamplingParams, probabilities
+from specdraft.speculative.request import GenerationResult, Request, SamplingGroup
 from specdraft.speculative.stats import RequestStats, Timer
+from specdraft.speculative.stops import StopChecker
 from specdraft.speculative.verify import verify_greedy, verify_sampling
 from specdraft.tokenizer import Tokenizer
 
 MAX_DRAFT_TOKENS = 32
+PREFILL_CHUNK = 256
+GREEDY = SamplingParams()
 
 
-@dataclass
-class GenerationResult:
-    prompt_ids: list[int]
-    token_ids: list[int]  # new tokens only (EOS included when it ended the row)
-    text: str
-    finish_reason: str  # "eos" | "length" | "stop"
-    stats: RequestStats
-    seconds: float  # from the start of the batch until this row finished
-    ttft: float  # time to first token (the batch's prefill)
-
-
-@dataclass
 class _Row:
-    ids: list[int] = field(default_factory=list)
-    done: bool = False
-    finish_reason: str = "length"
-    text: str = ""
-    finished_at: float = 0.0
+    """A request's host-side state while the engine holds it."""
+
+    def __init__(self, req: Request, group: SamplingGroup, eos: set[int], stops: StopChecker | None, k: int,
+                 times: dict[str, float]):
+        self.req, self.group, self.eos, self.stops = req, group, eos, stops
+        self.ids: list[int] = []
+        self.prefilled = 0  # prompt tokens in the cache
+        self.position = -1  # p: the cache holds 0..p (decoding rows)
+        self.done, self.finish_reason, self.text = False, "length", ""
+        self.stats = RequestStats(k, drafted_by_position=[0] * k, accepted_by_position=[0] * k)
+        self.arrived, self.first_token_at = time.perf_counter(), 0.0
+        self.times_at_start = dict(times)
 
 
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None = None,
-                 drafter: Drafter | None = None, draft_tokens: int = 4):
+                 drafter: Drafter | None = None, draft_tokens: int = 4, max_batch_size: int = 8,
+                 capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
+        """`capacity`: positions per row (prompt + new tokens + a round of drafts) for requests
+        added with `add`; default the model's context. `generate` sizes its own batch."""
         if drafter is not None and not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpecdraftError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {draft_tokens}")
         self.model = model
@@ -60,6 +65,15 @@ class Engine:
         self.drafter = drafter
         self.k = draft_tokens if drafter is not None else 0
         self.width = drafter.max_drafts(self.k) if drafter is not None else 0  # most drafts per round
+        self.max_batch_size = max_batch_size
+        self.serve_capacity = min(capacity or self.max_context(), self.max_context())
+        self.prefill_chunk = prefill_chunk
+        self.timer = Timer(self.device)
+        self.waiting: deque[_Row] = deque()
+        self.slots: list[_Row] = []  # slots[:n_dec] decode, the rest prefill
+        self.n_dec = 0
+        self.cache = None  # allocated by the first request (see _allocate)
+        self._finished: list[GenerationResult] = []
 
     @property
     def device(self) -> torch.device:
@@ -67,6 +81,54 @@ class Engine:
 
     def max_context(self) -> int:
         return self.model.config.max_position_embeddings
+
+    # --- the public step-wise API ---------------------------------------------------------
+    def add(self, req: Request, group: SamplingGroup | None = None) -> None:
+        """Queue a request; it joins the batch at the next step with a free slot."""
+        if self.cache is None:
+            self._allocate(self.max_batch_size, self.serve_capacity, self.serve_capacity)
+        self._check_request(req)
+        n, room = len(req.prompt), self.capacity - self.width - 1  # a round may write width + 1 past the end
+        if n + req.max_new_tokens > room:
+            raise SpecdraftError(f"prompt of {n} tokens + {req.max_new_tokens} new tokens exceeds the "
+                                 f"engine's context of {room} tokens")
+        if group is None:
+            group = SamplingGroup.create(req.sampling, self.device, sample_drafts=False)
+        eos = set(req.eos_token_ids if req.eos_token_ids is not None else
+                  (self.tokenizer.eos_token_ids if self.tokenizer else []))
+        stops = StopChecker(self._decode, req.stop) if req.stop and self.tokenizer is not None else None
+        self.waiting.append(_Row(req, group, eos, stops, self.width, self.timer.totals))
+
+    @torch.inference_mode()
+    def abort(self, request_id: int) -> GenerationResult | None:
+        """Drop a request wherever it is (queued, prefilling or decoding); its slot is free at once."""
+        for row in self.waiting:
+            if row.req.id == request_id:
+                self.waiting.remove(row)
+                return self._result(row, "abort")
+        for slot, row in enumerate(self.slots):
+            if row.req.id == request_id:
+                self._remove(slot)
+                return self._result(row, "abort")
+        return None
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.slots)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.slots)
+
+    @torch.inference_mode()
+    def step(self) -> list[GenerationResult]:
+        """Admit waiting requests, prefill one chunk of the joining ones, run one round for the
+        decoding rows. Returns the requests that finished in this step."""
+        self._finished = []
+        self._admit()
+        self._prefill()
+        if self.n_dec:
+            self._round()
+        return self._finished
 
     @torch.inference_mode()
     def generate(
@@ -79,140 +141,281 @@ class Engine:
         on_tokens: Callable[[int, list[int]], None] | None = None,
     ) -> list[GenerationResult]:
         """Generate for a batch of tokenized prompts. `on_tokens(row, ids)` streams new ids."""
+        if self.has_work():
+            raise SpecdraftError("generate() needs an idle engine (requests are being served)")
         self._check(prompts, max_new_tokens)
-        dev, k, b_size = self.device, self.width, len(prompts)
-        eos = set(eos_token_ids if eos_token_ids is not None else (self.tokenizer.eos_token_ids if self.tokenizer else []))
-        generator = None
-        if not sampling.greedy:
-            generator = torch.Generator(device=dev)
-            generator.manual_seed(sampling.seed if sampling.seed is not None else torch.seed())
-        timer = Timer(dev)
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        # A row may overshoot max_new_tokens by a round (K + 1) and, once finished, keeps
-        # writing a round's worth of filler past its frozen length.
-        capacity = int(lengths.max()) + max_new_tokens + 2 * (k + 1)
-        cache = self.model.new_cache(b_size, capacity)
-        tokens = torch.zeros(b_size, capacity + k + 2, dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p)
-        if self.drafter is not None:
-            self.drafter.prepare(b_size, capacity)
-        rows_idx = torch.arange(b_size, device=dev)
-        stats = [RequestStats(k) for _ in prompts]
+        longest = max(len(p) for p in prompts)
+        self._allocate(len(prompts), longest + max_new_tokens + self.width + 2, longest)
+        group = SamplingGroup.create(sampling, self.device, sample_drafts=True)
+        reqs = [Request(p, max_new_tokens, sampling, stop, eos_token_ids, _row_callback(on_tokens, i))
+                for i, p in enumerate(prompts)]
+        for r in reqs:
+            self.add(r, group)
+        done: dict[int, GenerationResult] = {}
+        try:
+            while self.has_work():
+                done.update((r.request_id, r) for r in self.step())
+        finally:
+            # A batch's cache lives as long as the batch (and an error leaves nothing behind).
+            self.cache, self.slots, self.waiting, self.n_dec = None, [], deque(), 0
+        return [done[r.id] for r in reqs]
 
-        # Prefill: the whole (right-padded) prompt batch in one forward, keep each row's length.
-        with timer.phase("verify"):
-            hidden = self.model(tokens[:, : int(lengths.max())], cache)
-            cache.rollback(lengths)
-            hidden = hidden[rows_idx, lengths - 1]
-            logits = self.model.logits(hidden)
-            last = logits.argmax(-1) if sampling.greedy else sample(probabilities(logits, sampling), generator)
-        ttft = timer.elapsed()
-        position = lengths - 1
-        tokens[rows_idx, lengths] = last
-        rows = [_Row() for _ in prompts]
-        first = last.tolist()
-        for i, row in enumerate(rows):
-            stats[i].target_forwards += 1
-            self._emit(i, row, [first[i]], max_new_tokens, eos, stop, on_tokens, timer)
-        active = torch.tensor([not r.done for r in rows], device=dev)
-        drafted_pos = torch.zeros(b_size, k, dtype=torch.long, device=dev)
-        accepted_pos = torch.zeros(b_size, k, dtype=torch.long, device=dev)
-
-        while not all(r.done for r in rows):
-            with timer.phase("draft"):
-                draft = self._draft(DraftInput(last, hidden, position, cache, tokens, active), sampling, generator)
-            kk = draft.tokens.shape[1]
-            with timer.phase("verify"):
-                out = self.model(torch.cat([last[:, None], draft.tokens], dim=1), cache)
-                logits = self.model.logits(out)
-                if sampling.greedy:
-                    n, nxt = verify_greedy(logits, draft.tokens, draft.num_valid)
-                else:
-                    probs = probabilities(logits, sampling)
-                    n, nxt = verify_sampling(probs, draft.tokens, draft.probs, draft.num_valid, generator)
-            with timer.phase("other"):
-                # Accept: keep b and the n accepted drafts in the cache; frozen rows keep theirs.
-                cache.rollback(torch.where(active, position + n + 2, position + 1))
-                hidden = torch.where(active[:, None], out[rows_idx, n], hidden)
-                steps = torch.arange(kk + 1, device=dev)
-                emitted = torch.cat([draft.tokens, nxt[:, None]], dim=1)
-                emitted = emitted.scatter(1, n[:, None], nxt[:, None])
-                keep = (steps[None, :] <= n[:, None]) & active[:, None]
-                slots = torch.where(keep, position[:, None] + 2 + steps[None, :], tokens.shape[1] - 1)
-                tokens.scatter_(1, slots, emitted)
-                position = torch.where(active, position + n + 1, position)
-                last = torch.where(active, nxt, last)
-                if kk:
-                    valid = (steps[None, :kk] < draft.num_valid[:, None]) & active[:, None]
-                    drafted_pos[:, :kk] += valid
-                    accepted_pos[:, :kk] += (steps[None, :kk] < n[:, None]) & active[:, None]
-                emitted_l, n_l, active_l = emitted.tolist(), n.tolist(), active.tolist()
-                for i, row in enumerate(rows):
-                    if active_l[i]:
-                        stats[i].target_forwards += 1
-                        self._emit(i, row, emitted_l[i][: n_l[i] + 1], max_new_tokens, eos, stop, on_tokens, timer)
-                active = torch.tensor([not r.done for r in rows], device=dev)
-
-        drafted_l, accepted_l = drafted_pos.tolist(), accepted_pos.tolist()
-        results = []
-        for i, (p, row) in enumerate(zip(prompts, rows)):
-            s = stats[i]
-            s.new_tokens = len(row.ids)
-            s.drafted_by_position, s.accepted_by_position = drafted_l[i], accepted_l[i]
-            s.times = dict(timer.totals)
-            text = row.text if row.finish_reason == "stop" else self._decode(row.ids)
-            results.append(GenerationResult(list(p), row.ids, text, row.finish_reason, s, row.finished_at, ttft))
-        return results
-
+    # --- checks -------------------------------------------------------------------------------
     def _check(self, prompts: list[list[int]], max_new_tokens: int) -> None:
         if not prompts:
             raise SpecdraftError("no prompts given")
-        if max_new_tokens < 1:
-            raise SpecdraftError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if any(len(p) == 0 for p in prompts):
+        for p in prompts:
+            self._check_request(Request(p, max_new_tokens))
+
+    def _check_request(self, req: Request) -> None:
+        if req.max_new_tokens < 1:
+            raise SpecdraftError(f"max_new_tokens must be >= 1, got {req.max_new_tokens}")
+        if len(req.prompt) == 0:
             raise SpecdraftError("a prompt is empty (no tokens after tokenization)")
-        longest = max(len(p) for p in prompts)
-        if longest + max_new_tokens > self.max_context():
-            raise SpecdraftError(
-                f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the model's context of "
-                f"{self.max_context()} tokens"
-            )
+        n, ctx = len(req.prompt), self.max_context()
+        if n + req.max_new_tokens > ctx:
+            raise SpecdraftError(f"prompt of {n} tokens + {req.max_new_tokens} new tokens exceeds the model's "
+                                 f"context of {ctx} tokens")
 
-    def _draft(self, inp: DraftInput, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+    # --- slots --------------------------------------------------------------------------------
+    def _allocate(self, rows: int, capacity: int, longest_prompt: int) -> None:
+        """Cache and buffers for `rows` requests (+1 scratch row for swaps). A prefill forward pads
+        every row to the widest chunk, so a row may write up to a chunk past its prompt."""
+        dev, spare = self.device, min(self.prefill_chunk, longest_prompt)
+        self.capacity = capacity
+        self.cache = self.model.new_cache(rows + 1, capacity + spare)
+        self.tokens = torch.zeros(rows + 1, capacity + spare + self.width + 2, dtype=torch.long, device=dev)
+        self.last = torch.zeros(rows + 1, dtype=torch.long, device=dev)
+        self.position = torch.zeros(rows + 1, dtype=torch.long, device=dev)
+        self.hidden: torch.Tensor | None = None  # [rows + 1, H], shaped by the first prefill
+        self.ones = torch.ones(rows + 1, dtype=torch.bool, device=dev)
+        self.rows_max = rows
+        if self.drafter is not None:
+            self.drafter.prepare(rows + 1, capacity + spare)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.slots) < self.rows_max:
+            row = self.waiting.popleft()
+            slot = len(self.slots)
+            self.slots.append(row)
+            self.cache.reset_row(slot)
+            if self.drafter is not None:
+                self.drafter.reset_row(slot)
+            self.tokens[slot, : len(row.req.prompt)] = torch.tensor(row.req.prompt)
+
+    def _move(self, src: int, dst: int) -> None:
+        """Storage of slot src -> slot dst (the host list is the caller's business)."""
+        self.cache.copy_row(src, dst)
+        for t in (self.tokens, self.last, self.position) + ((self.hidden,) if self.hidden is not None else ()):
+            t[dst] = t[src]
+        if self.drafter is not None:
+            self.drafter.move_row(src, dst)
+
+    def _swap(self, a: int, b: int) -> None:
+        scratch = self.rows_max
+        self._move(a, scratch)
+        self._move(b, a)
+        self._move(scratch, b)
+        self.slots[a], self.slots[b] = self.slots[b], self.slots[a]
+
+    def _remove(self, slot: int) -> None:
+        """Free a slot, keeping decoding rows at 0..n_dec-1 and prefilling ones right after."""
+        last = len(self.slots) - 1
+        if slot < self.n_dec:
+            hole = self.n_dec - 1
+            if slot != hole:
+                self._move(hole, slot)
+                self.slots[slot] = self.slots[hole]
+            self.n_dec -= 1
+            slot = hole
+        if slot != last:  # a prefilling row fills the hole
+            self._move(last, slot)
+            self.slots[slot] = self.slots[last]
+        self.slots.pop()
+
+    def _remove_finished(self) -> None:
+        # Highest slot first: a row moved into a freed slot is then always a live one.
+        for slot in sorted((i for i, r in enumerate(self.slots) if r.done), reverse=True):
+            self._remove(slot)
+
+    # --- prefill ------------------------------------------------------------------------------
+    def _prefill(self) -> None:
+        """One chunk per joining row; while nobody decodes there is nobody to stall: keep going."""
+        while len(self.slots) > self.n_dec:
+            self._prefill_chunk()
+            self._remove_finished()
+            if self.n_dec:
+                break
+
+    def _prefill_chunk(self) -> None:
+        lo, hi = self.n_dec, len(self.slots)
+        rows = self.slots[lo:hi]
+        # Chunks start at multiples of prefill_chunk from each prompt's start, whatever else
+        # joins: a row's arithmetic never depends on its neighbours.
+        starts = [r.prefilled for r in rows]
+        counts = [min(self.prefill_chunk, len(r.req.prompt) - r.prefilled) for r in rows]
+        dev, width = self.device, max(counts)
+        cols = torch.tensor(starts, device=dev)[:, None] + torch.arange(width, device=dev)
+        cache = self.cache.rows(lo, hi)
+        with self.timer.phase("verify"):
+            hidden = self.model(self.tokens[lo:hi].gather(1, cols), cache)
+        cache.rollback([s + c for s, c in zip(starts, counts)])
+        done = []
+        for j, (r, c) in enumerate(zip(rows, counts)):
+            r.prefilled += c
+            if r.prefilled == len(r.req.prompt):
+                done.append(j)
+        if done:
+            self._start_decoding([lo + j for j in done], hidden[done, [counts[j] - 1 for j in done]])
+
+    def _start_decoding(self, slots: list[int], hidden: torch.Tensor) -> None:
+        """Prefill done for the rows in `slots` (ascending): the first token comes from the
+        prompt's last logits, and the rows move to the end of the decoding range."""
+        rows = [self.slots[i] for i in slots]
+        if self.hidden is None:
+            self.hidden = hidden.new_zeros(self.tokens.shape[0], hidden.shape[-1])
+        with self.timer.phase("verify"):
+            logits = self.model.logits(hidden)
+            none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
+            _, first = self._verify(logits[:, None], Draft(none, none.new_zeros(len(rows))), rows)
+        for slot in slots:  # each swap only touches slots below the next one
+            if slot != self.n_dec:
+                self._swap(slot, self.n_dec)
+            self.n_dec += 1
+        lo, hi = self.n_dec - len(rows), self.n_dec
+        lengths = torch.tensor([len(r.req.prompt) for r in rows], device=self.device)
+        self.hidden[lo:hi] = hidden
+        self.last[lo:hi] = first
+        self.position[lo:hi] = lengths - 1
+        self.tokens[lo:hi].scatter_(1, lengths[:, None], first[:, None])
+        now = time.perf_counter()
+        for row, t in zip(rows, first.tolist()):
+            row.position, row.first_token_at = len(row.req.prompt) - 1, now
+            row.stats.target_forwards += 1
+            self._emit(row, [t], ["target"])
+
+    # --- one round ----------------------------------------------------------------------------
+    def _round(self) -> None:
+        n, rows, timer = self.n_dec, self.slots[: self.n_dec], self.timer
+        cache = self.cache.rows(0, n)
+        last, position = self.last[:n], self.position[:n]
+        with timer.phase("draft"):
+            draft = self._draft(DraftInput(last, self.hidden[:n], position, cache, self.tokens[:n], self.ones[:n]),
+                                rows)
+        kk = draft.tokens.shape[1]
+        with timer.phase("verify"):
+            out = self.model(torch.cat([last[:, None], draft.tokens], dim=1), cache)
+            accepted, nxt = self._verify(self.model.logits(out), draft, rows)
+        with timer.phase("other"):
+            # Accept: write b's successors d1..dn, t into the history; the cache keeps b and d1..dn.
+            steps = torch.arange(kk + 1, device=self.device)
+            emitted = torch.cat([draft.tokens, nxt[:, None]], dim=1).scatter(1, accepted[:, None], nxt[:, None])
+            keep = steps[None, :] <= accepted[:, None]
+            cols = torch.where(keep, position[:, None] + 2 + steps[None, :], self.tokens.shape[1] - 1)
+            self.tokens[:n].scatter_(1, cols, emitted)
+            self.hidden[:n] = out[torch.arange(n, device=self.device), accepted]
+            position += accepted + 1
+            last.copy_(nxt)
+            lookup = draft.lookup if draft.lookup is not None else torch.zeros_like(accepted, dtype=torch.bool)
+            # One host sync for everything the bookkeeping needs.
+            host = torch.cat([emitted, accepted[:, None], draft.num_valid[:, None], lookup[:, None].long()], 1).tolist()
+            cache.rollback([r.position + h[kk + 1] + 2 for r, h in zip(rows, host)])
+            for row, h in zip(rows, host):
+                a, valid = h[kk + 1], h[kk + 2]
+                row.position += a + 1
+                s = row.stats
+                s.target_forwards += 1
+                for j in range(valid):
+                    s.drafted_by_position[j] += 1
+                for j in range(a):
+                    s.accepted_by_position[j] += 1
+                source = self._source(bool(h[kk + 3]))
+                self._emit(row, h[: a + 1], [source] * a + ["target"])
+            self._remove_finished()
+
+    def _source(self, looked_up: bool) -> str:
+        kind = self.drafter.kind if self.drafter is not None else "none"
+        if looked_up or kind == "ngram":
+            return "lookup"
+        return "mtp" if kind == "mtp" or kind == "mtp+ngram" else "draft"
+
+    def _draft(self, inp: DraftInput, rows: list[_Row]) -> Draft:
+        n = inp.last_token.shape[0]
         if self.drafter is None:
-            b = inp.last_token.shape[0]
-            return Draft(inp.last_token.new_zeros(b, 0), inp.last_token.new_zeros(b))
-        return self.drafter.propose(inp, self.k, sampling, generator)
+            return Draft(inp.last_token.new_zeros(n, 0), inp.last_token.new_zeros(n))
+        # Drafts are sampled from the drafter's distribution only when the whole round shares one
+        # random stream (generate()); otherwise argmax drafts, verified as a point-mass Q.
+        group = rows[0].group
+        if group.sample_drafts and not group.params.greedy and all(r.group is group for r in rows):
+            return self.drafter.propose(inp, self.k, group.params, group.generator)
+        return self.drafter.propose(inp, self.k, GREEDY, None)
 
+    def _verify(self, logits: torch.Tensor, draft: Draft, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted count, next token) per row: greedy rows together, each sampling group with
+        its own parameters and random stream."""
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(rows):
+            groups.setdefault(0 if r.group.params.greedy else id(r.group), []).append(i)
+        if len(groups) == 1:
+            return self._verify_group(logits, draft.tokens, draft.num_valid, draft.probs, rows[0].group)
+        accepted = torch.empty(len(rows), dtype=torch.long, device=self.device)
+        nxt = torch.empty_like(accepted)
+        for idx in groups.values():
+            at = torch.tensor(idx, device=self.device)
+            probs = draft.probs[at] if draft.probs is not None else None
+            accepted[at], nxt[at] = self._verify_group(logits[at], draft.tokens[at], draft.num_valid[at], probs,
+                                                       rows[idx[0]].group)
+        return accepted, nxt
+
+    def _verify_group(self, logits, drafts, num_valid, q, group: SamplingGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        if group.params.greedy:
+            return verify_greedy(logits, drafts, num_valid)
+        # Only the group's own drafts: its random draws then never depend on the round's width.
+        width = int(num_valid.max()) if drafts.shape[1] else 0
+        probs = probabilities(logits[:, : width + 1], group.params)
+        q = q[:, :width] if q is not None else None
+        return verify_sampling(probs, drafts[:, :width], q, num_valid, group.generator)
+
+    # --- output -------------------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer else ""
 
-    def _emit(self, i: int, row: _Row, new: list[int], max_new: int, eos: set[int], stop: tuple[str, ...],
-              on_tokens, timer: Timer) -> None:
+    def _emit(self, row: _Row, new: list[int], sources: list[str]) -> None:
         """Append a round's tokens to a row, cutting at EOS, max_new_tokens or a stop string."""
-        new = new[: max_new - len(row.ids)]
+        new = new[: row.req.max_new_tokens - len(row.ids)]
         for j, t in enumerate(new):
-            if t in eos:
+            if t in row.eos:
                 new = new[: j + 1]
                 row.done, row.finish_reason = True, "eos"
                 break
+        checked = len(row.ids)
         row.ids.extend(new)
-        if len(row.ids) >= max_new and not row.done:
+        if len(row.ids) >= row.req.max_new_tokens and not row.done:
             row.done, row.finish_reason = True, "length"
-        if stop and self.tokenizer is not None:
-            # Token by token, as plain decoding checks: keep no tokens past the one that completes
-            # a stop string, so token_ids do not depend on how many tokens a round emitted.
-            for end in range(len(row.ids) - len(new) + 1, len(row.ids) + 1):
-                text = self._decode(row.ids[:end])
-                cut = min((text.find(s) for s in stop if s in text), default=-1)
-                if cut >= 0:
-                    new = new[: len(new) - (len(row.ids) - end)]
-                    del row.ids[end:]
-                    row.text = text[:cut]
-                    row.done, row.finish_reason = True, "stop"
-                    break
-        if on_tokens is not None and new:
-            on_tokens(i, new)
+        if row.stops is not None:
+            end = row.stops.first_hit(row.ids, checked)
+            if end is not None:
+                del row.ids[end:]
+                new = new[: end - checked]
+                row.text = row.stops.text_before(row.ids)
+                row.done, row.finish_reason = True, "stop"
+        if row.req.on_tokens is not None and new:
+            row.req.on_tokens(new, sources[: len(new)])
         if row.done:
-            row.finished_at = timer.elapsed()
+            self._finished.append(self._result(row, row.finish_reason))
+
+    def _result(self, row: _Row, reason: str) -> GenerationResult:
+        s = row.stats
+        s.new_tokens = len(row.ids)
+        s.times = {k: v - row.times_at_start.get(k, 0.0) for k, v in self.timer.totals.items()}
+        text = row.text if reason == "stop" else self._decode(row.ids)
+        now = time.perf_counter()
+        ttft = row.first_token_at - row.arrived if row.first_token_at else now - row.arrived
+        return GenerationResult(list(row.req.prompt), row.ids, text, reason, s, now - row.arrived, ttft,
+                                row.group.seed, row.req.id)
+
+
+def _row_callback(on_tokens: Callable[[int, list[int]], None] | None, i: int):
+    if on_tokens is None:
+        return None
+    return lambda ids, sources: on_tokens(i, ids)

@@ -33,19 +33,26 @@ class LookupIndex:
         earlier occurrence of the longest suffix n-gram (max_ngram down to min_ngram) begin,
         or -1. An occurrence counts only if at least one known token follows it."""
         lengths = seq_len.tolist()
-        if len(self.rows) != len(lengths):
+        if len(self.rows) < len(lengths):
             self.reset(len(lengths))
         for i, n in enumerate(lengths):
             if n < len(self.rows[i].tokens):
                 self.rows[i] = _Row(self.ngrams)
-        lo = min(len(row.tokens) for row in self.rows)
+        rows = self.rows[: len(lengths)]  # a step-wise engine's round covers the first n rows
+        lo = min(len(row.tokens) for row in rows)
         new = tokens[:, lo : max(lengths)].tolist()  # one transfer for every row's new tokens
         starts = []
-        for row, n, fresh in zip(self.rows, lengths, new):
+        for row, n, fresh in zip(rows, lengths, new):
             row.tokens.extend(fresh[len(row.tokens) - lo : n - lo])
             self._add(row)
             starts.append(self._find(row))
         return torch.tensor(starts, dtype=torch.long, device=tokens.device)
+
+    def reset_row(self, i: int) -> None:
+        self.rows[i] = _Row(self.ngrams)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.rows[dst], self.rows[src] = self.rows[src], _Row(self.ngrams)
 
     def _add(self, row: _Row) -> None:
         toks = row.tokens

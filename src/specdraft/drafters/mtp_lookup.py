@@ -49,6 +49,14 @@ class MTPWithLookup(Drafter):
         self.mtp.prepare(batch_size, capacity)
         self.index.reset(batch_size)
 
+    def reset_row(self, row: int) -> None:
+        self.mtp.reset_row(row)
+        self.index.reset_row(row)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.mtp.move_row(src, dst)
+        self.index.move_row(src, dst)
+
     def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
         found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, self.lookup_tokens, self.index,
                               repeat=True)

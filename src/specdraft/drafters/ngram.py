@@ -52,6 +52,12 @@ class NgramDrafter(Drafter):
     def prepare(self, batch_size: int, capacity: int) -> None:
         self.index.reset(batch_size)
 
+    def reset_row(self, row: int) -> None:
+        self.index.reset_row(row)
+
+    def move_row(self, src: int, dst: int) -> None:
+        self.index.move_row(src, dst)
+
     def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
         found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, k, self.index)
         longest = int(found.num_valid.max())

@@ -257,3 +257,21 @@ def test_lookup_index_follows_rows_as_they_move(gemma_tiny, prompts) -> None:
     requests = [Request(p, m, eos_token_ids=[]) for p, m in zip(prompts, MAX_NEW)]
     run_concurrently(engine, requests, joins={i: i % 4 for i in range(16)})
     assert CheckedLookup.rounds > 20
+
+
+def test_generate_json_reports_the_seed_that_repeats_the_run(capsys, tmp_path) -> None:
+    import json
+
+    from specdraft.cli.main import main
+
+    folder = make_tiny(tmp_path / "cli", "llama", seed=31, max_position_embeddings=64).folder
+    args = ["generate", "w1 w2 w3", "--model", str(folder), "--dtype", "float32", "--device", "cpu",
+            "--drafter", "ngram", "--max-new-tokens", "12", "--temperature", "1.0", "--json"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert isinstance(first["seed"], int)
+    assert main(args + ["--seed", str(first["seed"])]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["seed"] == first["seed"] and again["token_ids"] == first["token_ids"]
+    assert main(args[:-3] + ["--json"]) == 0  # greedy without a seed: none to report
+    assert json.loads(capsys.readouterr().out)["seed"] is None

@@ -194,4 +194,5 @@ def _record(prompt: str, r, rt, kind: str, k: int) -> dict:
         "accepted": s.accepted,
         "time_split": {name: round(t, 4) for name, t in s.times.items()},
         "ttft": round(r.ttft, 4),
+        "seed": r.seed,  # the sampling seed used (drawn when --seed was not given), to repeat the run
     }

@@ -27,6 +27,7 @@ from gemma4_tiny import (  # noqa: E402
     target_text_config,
 )
 from specdraft.config import FULL, SLIDING, ConfigError  # noqa: E402
+from specdraft.drafters.mtp.source import kv_source  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 from specdraft.loading import load_folder  # noqa: E402
 from specdraft.models.hf_config import read_model_config  # noqa: E402
@@ -90,10 +91,10 @@ def test_cache_has_one_slot_per_kv_producer(text_pair):
         assert cache.k[slot].shape[1:] == (cfg.per_layer_config[i].num_key_value_heads, 8,
                                            cfg.per_layer_config[i].head_dim)
         assert model.config.layer_types[slot] == t
-    src = model.drafter_source(FULL)
-    assert (src.scale, src.q_norm, src.norm_offset, src.window) == (1.0, True, False, None)
+    src = kv_source(model, FULL)
+    assert (src.scale, src.q_norm, src.window) == (1.0, True, None)
     assert src.layer == max(i for i in range(cfg.num_hidden_layers - shared) if cfg.layer_types[i] == FULL)
-    assert model.drafter_source(SLIDING).window == cfg.sliding_window
+    assert kv_source(model, SLIDING).window == cfg.sliding_window
 
 
 def test_batched_ragged_engine_equals_transformers_generate(text_pair):

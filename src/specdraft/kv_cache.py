@@ -164,20 +164,3 @@ class KVCache:
             self._host[self._offset + row] = n
             self.lengths[row] = n
 
-
-@dataclass
-class KVSource:
-    """What a drafter layer needs to attend over one target layer's cached K/V: the cache slot,
-    and the exact q-path of that layer (head_dim, RoPE table, softmax scale, window, q-norm style),
-    because the drafter's queries are dotted with keys the target already normed and rotated."""
-
-    layer: int
-    slot: int
-    layer_type: str
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    window: int | None
-    rope: object  # specdraft.models.rope.RopeTable
-    q_norm: bool
-    norm_offset: bool

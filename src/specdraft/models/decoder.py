@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from specdraft.config import SLIDING, ModelConfig
-from specdraft.kv_cache import AttentionSpan, KVCache, KVSource
+from specdraft.kv_cache import AttentionSpan, KVCache
 from specdraft.models.layers import GatedMLP, RMSNorm, attend, softcap
+from specdraft.models.quant import head_scores
 from specdraft.models.rope import RopeTable, apply_rope
+from specdraft.models.target import AttentionLayout
 
 
 class Attention(nn.Module):
@@ -94,8 +96,9 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.ropes = {t: RopeTable(p, cfg.head_dim, cfg.max_position_embeddings) for t, p in cfg.rope.items()}
+        self.packed_head = None  # set by models.quant.compact_weights
 
-    # --- what the engine and the drafters use -------------------------------------------
+    # --- what the engine and the drafters use (models.target.TargetModel) -------------------------------------------
     @property
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -107,9 +110,12 @@ class Transformer(nn.Module):
             e = e * torch.tensor(self.config.embed_scale, dtype=e.dtype)
         return e
 
+    def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        return head_scores(self, hidden)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., H] -> logits [..., V] in float32 (final softcap applied)."""
-        return softcap(torch.nn.functional.linear(hidden, self.head_weight).float(), self.config.final_softcap)
+        return softcap(head_scores(self, hidden).float(), self.config.final_softcap)
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         cfg = self.config
@@ -123,17 +129,16 @@ class Transformer(nn.Module):
         """Which cache slot holds layer `layer`'s K/V (identity here; Gemma 4 shares slots)."""
         return layer
 
-    def drafter_source(self, layer_type: str) -> KVSource:
-        """The target layer an MTP drafter layer of `layer_type` reads: the last layer of that type
-        (the last layer when the target has no layer of that type, e.g. all-full targets)."""
+    def kv_layers(self) -> list[int]:
+        return list(range(self.config.num_layers))
+
+    def attention_layout(self, layer: int) -> AttentionLayout:
         cfg = self.config
-        same = [i for i, t in enumerate(cfg.layer_types) if t == layer_type]
-        layer = same[-1] if same else cfg.num_layers - 1
         t = cfg.layer_types[layer]
-        return KVSource(
+        return AttentionLayout(
             layer=layer, slot=self.cache_slot(layer), layer_type=t, num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim, scale=cfg.softmax_scale, window=cfg.sliding_window if t == SLIDING else None,
-            rope=self.ropes[t], q_norm=cfg.qk_norm, norm_offset=cfg.norm_offset,
+            rope=self.ropes[t], q_norm=cfg.qk_norm,
         )
 
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The Gemma 4 text decoder (E2B, E4B, 26B-A4B, 31B), as a specdraft target.
 
 Same interface as `models.decoder.Transformer` (forward -> final-normed hidden, logits, embed,
-new_cache, cache_slot, drafter_source), so the engine and the MTP drafter run it unchanged.
+new_cache, cache_slot, attention_layout: models.target.TargetModel), so the engine and the MTP drafter run it unchanged.
 What differs from Gemma 3, each one a config switch in `Gemma4Params`:
 
 - sliding and full layers have their own head_dim (and, with attention_k_eq_v, KV heads);
@@ -25,10 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.config import FULL, SLIDING, ModelConfig
-from specdraft.kv_cache import AttentionSpan, KVCache, KVSource
+from specdraft.kv_cache import AttentionSpan, KVCache
 from specdraft.models.gemma4_config import Gemma4Params, gemma4_params
 from specdraft.models.layers import GatedMLP, RMSNorm, activation, attend, softcap
+from specdraft.models.quant import head_scores
 from specdraft.models.rope import RopeTable, apply_rope
+from specdraft.models.target import AttentionLayout
 
 
 class Gemma4RMSNorm(RMSNorm):
@@ -185,8 +187,9 @@ class Gemma4Transformer(nn.Module):
         self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.ropes = {t: RopeTable(r, p.head_dim[t], cfg.max_position_embeddings) for t, r in cfg.rope.items()}
+        self.packed_head = None  # set by models.quant.compact_weights
 
-    # --- what the engine and the drafters use -------------------------------------------
+    # --- what the engine and the drafters use (models.target.TargetModel) -------------------------------------------
     @property
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -196,9 +199,12 @@ class Gemma4Transformer(nn.Module):
         e = self.embed_tokens(tokens)
         return e * torch.tensor(self.config.embed_scale, dtype=e.dtype)
 
+    def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        return head_scores(self, hidden)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., H] -> logits [..., V] in float32 (final softcap applied)."""
-        return softcap(F.linear(hidden, self.head_weight).float(), self.config.final_softcap)
+        return softcap(head_scores(self, hidden).float(), self.config.final_softcap)
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """One slot per layer that computes K/V (KV-shared layers read their producer's slot)."""
@@ -214,17 +220,16 @@ class Gemma4Transformer(nn.Module):
         """Producers are layers 0..first_shared-1, stored in slots of the same index."""
         return self.params.kv_producer[layer]
 
-    def drafter_source(self, layer_type: str) -> KVSource:
-        """The target layer an MTP drafter layer of `layer_type` reads: the last layer of that type
-        that computes its own K/V (the last such layer when the target has no layer of that type)."""
+    def kv_layers(self) -> list[int]:
+        return list(range(self.params.first_shared_layer))
+
+    def attention_layout(self, layer: int) -> AttentionLayout:
         cfg, p = self.config, self.params
-        owners = [i for i in range(p.first_shared_layer) if cfg.layer_types[i] == layer_type]
-        layer = owners[-1] if owners else p.first_shared_layer - 1
         t = cfg.layer_types[layer]
-        return KVSource(
+        return AttentionLayout(
             layer=layer, slot=self.cache_slot(layer), layer_type=t, num_kv_heads=p.num_kv_heads[t],
             head_dim=p.head_dim[t], scale=1.0, window=cfg.sliding_window if t == SLIDING else None,
-            rope=self.ropes[t], q_norm=True, norm_offset=False,
+            rope=self.ropes[t], q_norm=True,
         )
 
     def unused_checkpoint_tensors(self, names: list[str]) -> list[str]:

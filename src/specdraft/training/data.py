@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdraft.config import FULL, SLIDING
+from specdraft.drafters.mtp.source import kv_source
 from specdraft.training.prompts import BASE_TEMPLATE, format_prompt
 
 
@@ -37,7 +38,7 @@ class DataConfig:
 
 def read_slots(model: torch.nn.Module) -> list[int]:
     """Cache slots any drafter layer may read (last sliding and last full layer)."""
-    return sorted({model.drafter_source(t).slot for t in (SLIDING, FULL)})
+    return sorted({kv_source(model, t).slot for t in (SLIDING, FULL)})
 
 
 def _encode(tokenizer, prompts: list[str], max_prompt_tokens: int) -> list[list[int]]:

@@ -26,7 +26,7 @@ from torch import nn
 
 from specdraft.drafters.mtp.drafter import layer_contexts
 from specdraft.drafters.mtp.network import MTPNetwork
-from specdraft.kv_cache import KVSource
+from specdraft.models.target import AttentionLayout
 from specdraft.training.data import Sequence
 
 
@@ -106,7 +106,7 @@ class UnrolledLoss(nn.Module):
     """The loss as a module, so DistributedDataParallel can wrap it (its forward is what DDP
     tracks). The frozen target is held outside the module tree: DDP must not sync it."""
 
-    def __init__(self, net: MTPNetwork, target: torch.nn.Module, sources: list[KVSource], space: HeadSpace,
+    def __init__(self, net: MTPNetwork, target: torch.nn.Module, sources: list[AttentionLayout], space: HeadSpace,
                  k_steps: int, loss_kind: str = "ce", step_decay: float = 0.8, cluster_weight: float = 0.2):
         super().__init__()
         self.net = net
@@ -119,7 +119,7 @@ class UnrolledLoss(nn.Module):
                              self.loss_kind, self.step_decay, self.cluster_weight)
 
 
-def unrolled_loss(net: MTPNetwork, target: torch.nn.Module, sources: list[KVSource], batch: Batch, k_steps: int,
+def unrolled_loss(net: MTPNetwork, target: torch.nn.Module, sources: list[AttentionLayout], batch: Batch, k_steps: int,
                   space: HeadSpace, loss_kind: str = "ce", step_decay: float = 0.8, cluster_weight: float = 0.2
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Mean over steps (weighted by step_decay**k) of token loss + cluster loss; plus metrics.

@@ -13,11 +13,12 @@ from specdraft.drafters.mtp.config import MTPConfig
 from specdraft.drafters.mtp.drafter import MTPDrafter
 from specdraft.drafters.mtp.network import MTPNetwork
 from specdraft.errors import SpecdraftError
-from specdraft.kv_cache import KVSource
+from specdraft.drafters.mtp.source import kv_source
+from specdraft.models.target import AttentionLayout
 from specdraft.loading.weights import read_safetensors, safetensors_files
 
 
-def kv_sources(cfg: MTPConfig, target: torch.nn.Module) -> list[KVSource]:
+def kv_sources(cfg: MTPConfig, target: torch.nn.Module) -> list[AttentionLayout]:
     """The target layer each drafter layer reads, after checking the drafter fits it.
 
     Mismatches are refused by name: a drafter trained for another target would otherwise run
@@ -31,7 +32,7 @@ def kv_sources(cfg: MTPConfig, target: torch.nn.Module) -> list[KVSource]:
         problems.append(f"vocabulary {cfg.vocab_size} != target vocabulary {tc.vocab_size}")
     sources = []
     for i, layer_type in enumerate(cfg.layer_types):
-        src = target.drafter_source(layer_type)
+        src = kv_source(target, layer_type)
         sources.append(src)
         wanted = layer_type if layer_type in (SLIDING, FULL) else FULL
         if cfg.head_dim[wanted] != src.head_dim:
@@ -57,7 +58,7 @@ def read_drafter_config(folder: Path) -> MTPConfig:
         raise SpecdraftError(f"{path}: invalid JSON ({e})") from None
 
 
-def load_network(folder: Path, target: torch.nn.Module, dtype: torch.dtype, device) -> tuple[MTPNetwork, list[KVSource]]:
+def load_network(folder: Path, target: torch.nn.Module, dtype: torch.dtype, device) -> tuple[MTPNetwork, list[AttentionLayout]]:
     cfg = read_drafter_config(folder)
     sources = kv_sources(cfg, target)
     state = read_safetensors(safetensors_files(folder))
@@ -108,7 +109,7 @@ def drafter_config_for(target: torch.nn.Module, hidden: int = 256, layers: int =
         layer_types = [SLIDING] * (layers - 1) + [FULL] if has_sliding else [FULL] * layers
     head_dim, kv = {}, {}
     for t in (SLIDING, FULL):
-        src = target.drafter_source(t)
+        src = kv_source(target, t)
         head_dim[t], kv[t] = src.head_dim, src.num_kv_heads
     if heads % kv[FULL] or heads % kv[SLIDING]:
         raise SpecdraftError(f"drafter heads ({heads}) must be a multiple of the target's KV heads")
@@ -120,7 +121,7 @@ def drafter_config_for(target: torch.nn.Module, hidden: int = 256, layers: int =
         backbone_hidden_size=tc.hidden_size, hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
         layer_types=layer_types, num_heads=heads, head_dim=head_dim, num_kv_heads=kv, vocab_size=tc.vocab_size,
         rms_norm_eps=tc.rms_norm_eps, clustered=clustered, num_centroids=num_centroids or 1,
-        top_k_clusters=top_k_clusters, head=head, q_norm=target.drafter_source(FULL).q_norm,
+        top_k_clusters=top_k_clusters, head=head, q_norm=kv_source(target, FULL).q_norm,
         recommended_k=recommended_k,
     )
 

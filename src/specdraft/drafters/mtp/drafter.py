@@ -13,11 +13,12 @@ import torch
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.drafters.mtp.head import score
 from specdraft.drafters.mtp.network import LayerContext, MTPNetwork
-from specdraft.kv_cache import KVSource, attention_span
+from specdraft.kv_cache import attention_span
+from specdraft.models.target import AttentionLayout
 from specdraft.sampling import SamplingParams, probabilities, sample
 
 
-def layer_contexts(sources: list[KVSource], keys: list[torch.Tensor], values: list[torch.Tensor],
+def layer_contexts(sources: list[AttentionLayout], keys: list[torch.Tensor], values: list[torch.Tensor],
                    positions: torch.Tensor, dtype: torch.dtype) -> list[LayerContext]:
     """Contexts for queries at `positions` [B, T] over per-slot K/V [B, Hkv, S, D] (a KV cache's
     `k`/`v` lists at inference; the stored target K/V of whole sequences in training).
@@ -44,7 +45,7 @@ def layer_contexts(sources: list[KVSource], keys: list[torch.Tensor], values: li
 class MTPDrafter(Drafter):
     kind = "mtp"
 
-    def __init__(self, net: MTPNetwork, target: torch.nn.Module, sources: list[KVSource]):
+    def __init__(self, net: MTPNetwork, target: torch.nn.Module, sources: list[AttentionLayout]):
         self.net, self.target, self.sources = net, target, sources
         self.recommended_k = net.config.recommended_k
 

@@ -1,0 +1,122 @@
+"""Compact weights: int8 and int4 linears on torch's own CPU kernels, packed once at load.
+
+Decoding a small model on a CPU is bound by the bytes the weights take to read: the 262k x 640
+LM head of Gemma 3 270M alone is 335 MB in bf16. Two weight-only formats, activations stay bf16:
+
+- int8: one scale per output row; `aten._weight_int8pack_mm`.
+- int4: asymmetric, one scale and one offset per group of 32 inputs; `aten._weight_int4pack_mm_for_cpu`.
+
+Both kernels compute every output row on its own with a fixed reduction order, so a row's
+result does not depend on how many rows are computed together (checked by tests). That is what
+makes a K+1-row verification give the same bits as K+1 one-row steps, i.e. speculative output
+equal to plain output in the default configuration, which bf16 `F.linear` does not guarantee
+(its blocking changes with the number of rows on some CPUs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+WEIGHT_FORMATS = ("bf16", "int8", "int4")
+INT4_GROUP = 32
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (int8 [N, K], scales [N]): w ~ q * scale, scale = max|w_row| / 127."""
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-12)
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """weight [N, K] -> (codes int32 [N, K] in 0..15, scales [N, K/g], minima [N, K/g]):
+    w ~ q * scale + min per group of g inputs (asymmetric, so a group's range is used fully)."""
+    n, k = weight.shape
+    w = weight.float().view(n, k // group, group)
+    lo, hi = w.amin(dim=-1), w.amax(dim=-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-12)
+    q = torch.round((w - lo[..., None]) / scales[..., None]).clamp(0, 15).to(torch.int32)
+    return q.view(n, k), scales, lo
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        q, scales = quantize_int8(weight)
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("qweight", q)
+        self.register_buffer("scales", scales.to(dtype))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.qweight.float() * self.scales.float()[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scales)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, group: int = INT4_GROUP):
+        super().__init__()
+        q, scales, lo = quantize_int4(weight, group)
+        self.out_features, self.in_features = weight.shape
+        self.group = group
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        # The kernel dequantises as (q - 8) * scale + zero, so zero = min + 8 * scale.
+        zeros = lo + 8 * scales
+        self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype))
+        self._codes_shape = q.shape
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
+        return self.forward(eye).t().float() - (0 if self.bias is None else self.bias.float()[:, None])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, self.in_features), self.packed, self.group, self.scales_and_zeros)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def compact_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype) -> nn.Module:
+    if fmt == "int8":
+        return Int8Linear(weight, bias, dtype)
+    if fmt == "int4" and weight.shape[1] % INT4_GROUP == 0:
+        return Int4Linear(weight, bias, dtype)
+    if fmt == "int4":  # an input width the int4 groups do not divide: int8 keeps it compact
+        return Int8Linear(weight, bias, dtype)
+    raise ValueError(f"unknown weight format {fmt!r}")
+
+
+def compact_weights(model: nn.Module, fmt: str) -> None:
+    """Replace every nn.Linear of the decoder layers and the LM head by its `fmt` version, in place.
+
+    The embedding table stays in the model's dtype (input lookups and the MTP drafter's
+    clustered head read its rows); the head that scores all V tokens becomes `model.packed_head`.
+    """
+    if fmt == "bf16":
+        return
+    if fmt not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {fmt!r} (use {', '.join(WEIGHT_FORMATS)})")
+    dtype = model.head_weight.dtype
+    if model.head_weight.device.type != "cpu" or dtype != torch.bfloat16:
+        raise ValueError(f"--weights {fmt} needs bfloat16 on the CPU (torch's packed kernels); "
+                         f"this model runs in {dtype} on {model.head_weight.device.type}")
+    for layer in model.layers:
+        for name, child in list(layer.named_modules()):
+            for attr, sub in list(child.named_children()):
+                if type(sub) is nn.Linear:
+                    setattr(child, attr, compact_linear(sub.weight, sub.bias, fmt, dtype))
+    model.packed_head = compact_linear(model.head_weight, None, fmt, dtype)
+
+
+def head_scores(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The LM head's raw scores [..., V] in the model's dtype (no float32 copy, no softcap)."""
+    packed = getattr(model, "packed_head", None)
+    return F.linear(hidden, model.head_weight) if packed is None else packed(hidden)

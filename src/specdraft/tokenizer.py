@@ -64,8 +64,9 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def render_chat(self, prompt: str) -> str:
-        """The prompt as a single user turn in the model's chat template, ready for generation."""
+    def render_chat(self, prompt: str | list[dict[str, str]]) -> str:
+        """The prompt as a single user turn (or a list of {"role", "content"} messages, as the
+        OpenAI chat API sends them) in the model's chat template, ready for generation."""
         if self.chat_template is None:
             raise SpecdraftError("this model has no chat template")
         from jinja2.exceptions import TemplateError
@@ -78,7 +79,7 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.chat_template).render(
-                messages=[{"role": "user", "content": prompt}],
+                messages=[{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt,
                 add_generation_prompt=True,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",

@@ -87,11 +87,7 @@ class Engine:
         """Queue a request; it joins the batch at the next step with a free slot."""
         if self.cache is None:
             self._allocate(self.max_batch_size, self.serve_capacity, self.serve_capacity)
-        self._check_request(req)
-        n, room = len(req.prompt), self.capacity - self.width - 1  # a round may write width + 1 past the end
-        if n + req.max_new_tokens > room:
-            raise SpecdraftError(f"prompt of {n} tokens + {req.max_new_tokens} new tokens exceeds the "
-                                 f"engine's context of {room} tokens")
+        self.check(req)
         if group is None:
             group = SamplingGroup.create(req.sampling, self.device, sample_drafts=False)
         eos = set(req.eos_token_ids if req.eos_token_ids is not None else
@@ -111,6 +107,19 @@ class Engine:
                 self._remove(slot)
                 return self._result(row, "abort")
         return None
+
+    def check(self, req: Request) -> None:
+        """Raise SpecdraftError if the request cannot run here (add checks it too)."""
+        self._check_request(req)
+        n = len(req.prompt)
+        if n + req.max_new_tokens > self.room:
+            raise SpecdraftError(f"prompt of {n} tokens + {req.max_new_tokens} new tokens exceeds the "
+                                 f"engine's context of {self.room} tokens")
+
+    @property
+    def room(self) -> int:
+        """Prompt + new tokens a request may have (a round may write width + 1 past its end)."""
+        return (self.capacity if self.cache is not None else self.serve_capacity) - self.width - 1
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.slots)

@@ -1,0 +1,68 @@
+"""`specdraft serve`: parse flags, load the model, start the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from specdraft.errors import SpecdraftError
+
+DEFAULT_MAX_CONTEXT = 2048
+
+
+def register(sub) -> None:
+    from specdraft.cli.generate import add_drafter_args, add_model_args
+
+    p = sub.add_parser(
+        "serve",
+        help="serve the model over an OpenAI-compatible HTTP API, with a playground page",
+        description="An OpenAI-compatible server (POST /v1/completions, /v1/chat/completions, streamed or not; "
+                    "GET /v1/models, /health, /metrics) with continuous batching of speculative decoding, and a "
+                    "playground at / that colours each token by where it came from. Needs the serve extra: "
+                    "pip install 'specdraft[serve]'.",
+    )
+    add_model_args(p)
+    add_drafter_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default 8)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests that may wait for a batch row; beyond that the server answers 429 (default 64)")
+    p.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
+                   help="prompt + new tokens per request, which sizes the KV cache: max-batch-size rows of this "
+                        f"many positions (default {DEFAULT_MAX_CONTEXT}, capped at the model's context)")
+    p.add_argument("--api-key", default=os.environ.get("SPECDRAFT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDRAFT_API_KEY, else none)")
+    p.set_defaults(run=run)
+
+
+def _check(args) -> None:
+    if not 0 < args.port < 65536:
+        raise SpecdraftError(f"--port must be between 1 and 65535, got {args.port}")
+    if args.max_batch_size < 1:
+        raise SpecdraftError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    if args.max_queue < 0:
+        raise SpecdraftError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_context < 16:
+        raise SpecdraftError(f"--max-context must be >= 16, got {args.max_context}")
+    if args.api_key == "":
+        raise SpecdraftError("--api-key must not be empty")
+
+
+def run(args) -> int:
+    _check(args)
+    try:
+        import uvicorn
+
+        from specdraft.serve import create_app, load_served
+    except ImportError as e:
+        raise SpecdraftError(f"specdraft serve needs the serve extra ({e.name} is missing): "
+                             "pip install 'specdraft[serve]'") from None
+    served = load_served(args.model, args.drafter, args.dtype, args.device, args.max_batch_size, args.max_context,
+                         args.drafter_path, args.draft_tokens)
+    print(f"specdraft: serving {served.name} (drafter {served.drafter}) on http://{args.host}:{args.port}/ "
+          f"- playground at /, API at /v1", file=sys.stderr)
+    uvicorn.run(create_app(lambda: served, args.max_queue, args.api_key), host=args.host, port=args.port,
+                log_level="warning")
+    return 0

@@ -1,0 +1,28 @@
+"""`specdraft serve`: an OpenAI-compatible server over the step-wise engine.
+
+- app.py: routes, auth, errors in OpenAI's shape
+- worker.py: the engine's thread (requests in, tokens and results out)
+- schemas.py: request bodies; shapes.py: response bodies and the `specdraft` extension
+- text.py: tokens -> streamed text with stop-string hold-back and per-token sources
+- metrics.py: Prometheus; static/playground.html: the page at GET /
+"""
+
+from __future__ import annotations
+
+from specdraft.serve.app import ServedModel, create_app
+
+
+def load_served(model: str, drafter: str, dtype: str, device: str, max_batch_size: int, max_context: int,
+                drafter_path: str | None = None, draft_tokens: int | None = None) -> ServedModel:
+    """Load the target and drafter and build the engine the server drives."""
+    from specdraft.drafters import load_drafter
+    from specdraft.runtime import Runtime
+    from specdraft.speculative.engine import Engine
+
+    rt = Runtime.load(model, dtype, device)
+    found, kind, k = load_drafter(rt, drafter, drafter_path, draft_tokens, max_batch_size, load_runtime=Runtime.load)
+    engine = Engine(rt.model, rt.tokenizer, found, k, max_batch_size=max_batch_size, capacity=max_context)
+    return ServedModel(model, engine, rt.tokenizer, kind, k if found is not None else 0)
+
+
+__all__ = ["ServedModel", "create_app", "load_served"]

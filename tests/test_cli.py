@@ -308,6 +308,7 @@ def test_every_subcommand_refuses_bad_input_in_one_line(capsys, tmp_path) -> Non
         "eval-drafter": [["eval-drafter", "--prompts", missing, "--ks", "x"],
                          ["eval-drafter", "--prompts", missing, "--temperatures", "nan"]],
         "init-drafter": [["init-drafter", "--out", missing, "--model", missing]],
+        "serve": [["serve", "--port", "0"], ["serve", "--max-batch-size", "0"], ["serve", "--model", missing]],
     }
     assert set(cases) >= set(_subcommands()), "add bad-input cases for the new subcommand"
     for argvs in cases.values():

@@ -187,11 +187,7 @@ def _record(prompt: str, r, rt, kind: str, k: int) -> dict:
         "device": str(rt.device),
         "drafter": kind,
         "draft_tokens": k,
-        "mean_accepted": round(s.mean_accepted, 4),
-        "acceptance_by_position": [None if a is None else round(a, 4) for a in s.acceptance_by_position],
-        "target_forwards": s.target_forwards,
-        "drafted": s.drafted,
-        "accepted": s.accepted,
+        **s.summary(),
         "time_split": {name: round(t, 4) for name, t in s.times.items()},
         "ttft": round(r.ttft, 4),
         "seed": r.seed,  # the sampling seed used (drawn when --seed was not given), to repeat the run

@@ -28,15 +28,10 @@ def usage(r: GenerationResult) -> dict:
 
 def spec_stats(r: GenerationResult, drafter: str, k: int) -> dict:
     """The extension object: mean accepted length (tau), acceptance by position, the drafter."""
-    s = r.stats
     return {
         "drafter": drafter,
         "draft_tokens": k,
-        "mean_accepted": round(s.mean_accepted, 4),
-        "acceptance_by_position": [None if a is None else round(a, 4) for a in s.acceptance_by_position],
-        "target_forwards": s.target_forwards,
-        "drafted": s.drafted,
-        "accepted": s.accepted,
+        **r.stats.summary(),
         "seed": r.seed,
         "ttft": round(r.ttft, 4),
         "seconds": round(r.seconds, 4),

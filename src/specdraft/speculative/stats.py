@@ -41,6 +41,16 @@ class RequestStats:
         """P(draft i accepted | draft i proposed); None where position i was never drafted."""
         return [a / d if d else None for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
+    def summary(self) -> dict:
+        """What reports show (generate --json, the server's `specdraft` object), rounded."""
+        return {
+            "mean_accepted": round(self.mean_accepted, 4),
+            "acceptance_by_position": [None if a is None else round(a, 4) for a in self.acceptance_by_position],
+            "target_forwards": self.target_forwards,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+        }
+
 
 def merge(stats: list[RequestStats]) -> RequestStats:
     """Aggregate over requests (sums; tau and rates recomputed from the sums)."""

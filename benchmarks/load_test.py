@@ -250,7 +250,10 @@ def run_drafter(args, drafter: str, rng: random.Random, deadline: float) -> dict
         # Base models have no chat template (the server says 400): send them completions only.
         chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                              "max_tokens": 1}, timeout=60).status_code == 200
-        asyncio.run(run_level(url, 2, 8, args, random.Random(0), deadline, chat))  # warm-up, not reported
+        # Warm-up at the highest concurrency, not reported: the RSS baseline then already has
+        # every batch shape's buffers, so growth after the run means a leak, not a first use.
+        top = max(args.concurrency)
+        asyncio.run(run_level(url, top, 3 * top, args, random.Random(0), deadline, chat))
         rss_before = rss_bytes(proc.pid)
         per_level = max(1, args.requests // (len(args.drafter) * len(args.concurrency)))
         levels = []

@@ -6,7 +6,9 @@
                  assisted generation runs batch size 1 only.
 - llama-cpp:     llama-cpp-python on the GGUF the preset was converted from (its own quantized
                  kernels: the weights are the same numbers, the arithmetic is not); batch size 1.
-- llama-cpp-pld: the same with llama-cpp-python's prompt-lookup draft model.
+- llama-cpp-pld: the same with llama-cpp-python's prompt-lookup draft model. Both get the same
+                 context (`llama_cpp_context`): n_ctx = the run's longest prompt + max_new_tokens
+                 + slack, and pld also logits_all=True (see there why).
 
 All get the specdraft token ids (no re-tokenization), the same max_new_tokens and the same EOS
 ids, and are timed around the generate call only. Optional imports: a missing package raises
@@ -24,6 +26,7 @@ from specdraft.bench import LLAMA_CPP_BUILD
 from specdraft.bench.methods import BatchOutput, BenchContext, Method, RowOutput, Skip, cut_at_eos, measure_load
 
 PLD_MAX_NGRAM = 3  # the same longest n-gram specdraft's ngram drafter matches
+LLAMA_CPP_N_BATCH = 512  # llama-cpp-python's default n_batch (and n_ubatch)
 
 
 def build(name: str, ctx: BenchContext) -> Method:
@@ -164,6 +167,30 @@ def gguf_for(ctx: BenchContext) -> Path:
     raise Skip(f"{name} is a Hugging Face folder with no GGUF; pass --gguf PATH to compare with llama.cpp")
 
 
+def llama_cpp_context(n_ctx: int, prompt_lookup: bool, n_batch: int | None = None) -> dict:
+    """The context arguments of `llama_cpp.Llama` for both llama.cpp peers.
+
+    n_ctx is the run's longest prompt + max_new_tokens + slack (BenchContext.n_ctx), the same for
+    both peers. n_batch (prompt tokens per decode call; default LLAMA_CPP_N_BATCH) and n_ubatch
+    (tokens per compute pass) are equal and never above n_ctx, as llama-cpp-python clamps them.
+
+    Prompt lookup needs logits_all=True. With a draft model llama-cpp-python always computes and
+    stores the logits of every evaluated token (verification reads them), into its `scores`
+    array; but it sizes that array from the logits_all *argument*: n_ctx rows when it is True,
+    else only n_batch rows. Left False, any prompt or generated position past row n_batch (512)
+    finds no room, e.g. "could not broadcast input array from shape (47448064,) into shape (0,)"
+    for a 693-token prompt (its second decode call: 181 rows x 262144 vocab). True sizes it at
+    n_ctx rows, n_ctx x n_vocab float32 of address space (1 MiB a row for Gemma's 262k vocab),
+    resident as far as rows are written. The flag changes nothing else: with a draft model the
+    library computes every token's logits either way. The plain peer samples from llama.cpp's
+    last-row logits and keeps logits_all=False, as llama-cpp-python's users do.
+    """
+    if n_ctx < 1:
+        raise ValueError(f"n_ctx must be positive, got {n_ctx}")
+    n_batch = max(1, min(LLAMA_CPP_N_BATCH if n_batch is None else n_batch, n_ctx))
+    return dict(n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, logits_all=bool(prompt_lookup))
+
+
 class LlamaCppMethod(Method):
     max_batch_size = 1  # llama-cpp-python's Llama runs one sequence at a time
 
@@ -172,6 +199,17 @@ class LlamaCppMethod(Method):
         self.name, self.llm, self.sampling = name, llm, ctx.sampling
         self.eos = set(ctx.rt.tokenizer.eos_token_ids)
         self.draft_tokens = draft_tokens
+        self.n_ctx = ctx.n_ctx
+
+    def check_fits(self, prompt: list[int], max_new_tokens: int) -> None:
+        """Fail clearly, before llama.cpp does, when a prompt and its answer overflow the context.
+
+        Drafts need no room of their own: llama-cpp-python cuts them to what n_ctx has left (the
+        bench's slack of 64 keeps that from happening before the last tokens)."""
+        need = len(prompt) + max_new_tokens
+        if need > self.n_ctx:
+            raise ValueError(f"{self.name}: a {len(prompt)}-token prompt + {max_new_tokens} new tokens "
+                             f"need a context of {need}, the model was loaded with n_ctx={self.n_ctx}")
 
     def _sampler_args(self) -> dict:
         s = self.sampling
@@ -184,6 +222,7 @@ class LlamaCppMethod(Method):
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> BatchOutput:
         if len(prompts) != 1:
             raise Skip("llama-cpp runs batch size 1 only")
+        self.check_fits(prompts[0], max_new_tokens)
         args = self._sampler_args()
         # reset() forgets the previous prompt: no prefix-cache reuse, which specdraft does not do either.
         self.llm.reset()
@@ -224,9 +263,11 @@ def _build_llama_cpp(name: str, ctx: BenchContext) -> Method:
         kwargs["draft_model"] = LlamaPromptLookupDecoding(max_ngram_size=PLD_MAX_NGRAM, num_pred_tokens=k)
     threads = torch.get_num_threads()  # the same CPU budget torch gets
 
+    sizes = llama_cpp_context(ctx.n_ctx, prompt_lookup=name == "llama-cpp-pld")
+
     def load():
-        return llama_cpp.Llama(model_path=str(gguf), n_ctx=ctx.n_ctx, n_batch=512, n_threads=threads,
-                               n_threads_batch=threads, seed=ctx.sampling.seed or 0, verbose=False, **kwargs)
+        return llama_cpp.Llama(model_path=str(gguf), **sizes, n_threads=threads, n_threads_batch=threads,
+                               seed=ctx.sampling.seed or 0, verbose=False, **kwargs)
 
     try:
         llm, delta = measure_load(load)
@@ -235,7 +276,10 @@ def _build_llama_cpp(name: str, ctx: BenchContext) -> Method:
     method = LlamaCppMethod(name, llm, ctx, k if name == "llama-cpp-pld" else 0)
     method.load_rss_delta = delta
     method.own_weight_bytes = gguf.stat().st_size
-    method.notes.append(f"llama-cpp-python {llama_cpp.__version__}, {gguf.name}, {threads} threads; batch size 1 only")
+    method.notes.append(f"llama-cpp-python {llama_cpp.__version__}, {gguf.name}, {threads} threads, "
+                        f"n_ctx={sizes['n_ctx']}, n_batch=n_ubatch={sizes['n_batch']}; batch size 1 only")
     if name == "llama-cpp-pld":
-        method.notes.append(f"LlamaPromptLookupDecoding(max_ngram_size={PLD_MAX_NGRAM}, num_pred_tokens={k})")
+        method.notes.append(f"LlamaPromptLookupDecoding(max_ngram_size={PLD_MAX_NGRAM}, num_pred_tokens={k}); "
+                            f"logits_all=True: the logits of every prompt and generated token are computed "
+                            f"and copied out ({llm.n_vocab() * 4 / 2**20:.3g} MiB a token, prefill included)")
     return method

@@ -10,6 +10,7 @@ parity tests to mean something.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from specdraft.loading import load_folder
 # One intra-op thread: these models are tiny, and on a shared 2-core machine a second OpenMP
 # thread that gets descheduled turns every small matmul into a spin-wait (100x slower).
 torch.set_num_threads(1)
+os.environ["SPECDRAFT_THREADS"] = "1"  # the CLI's --threads default, for commands tests run in-process
 
 FP32 = torch.float32
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from pathlib import Path
 
@@ -45,3 +46,60 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+WEIGHT_CHOICES = ("auto", "dtype", "int8", "int4")
+
+
+def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """How weights are stored: `dtype` (as --dtype says) or packed int8/int4 (bf16 CPUs only).
+
+    auto = int8 on a CPU in bfloat16: it halves the bytes every step reads and its kernel gives
+    a row the same bits whatever the number of rows (BENCHMARKS.md, weight formats)."""
+    if name not in WEIGHT_CHOICES:
+        raise SpecdraftError(f"unknown weights {name!r} (use {', '.join(WEIGHT_CHOICES)})")
+    packable = device.type == "cpu" and dtype == torch.bfloat16
+    if name == "auto":
+        return "int8" if packable else "dtype"
+    if name in ("int8", "int4") and not packable:
+        raise SpecdraftError(f"--weights {name} runs on torch's packed CPU kernels in bfloat16; "
+                             f"use --dtype bfloat16 on the CPU, or --weights dtype")
+    return name
+
+
+def physical_cores() -> int:
+    """Cores, not hardware threads: a second OpenMP thread on a sibling hyperthread only waits."""
+    try:
+        pairs = set()
+        cpu, core = None, None
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("physical id"):
+                cpu = line.split(":")[1].strip()
+            elif line.startswith("core id"):
+                core = line.split(":")[1].strip()
+                pairs.add((cpu, core))
+        usable = len(os.sched_getaffinity(0))
+        return max(1, min(len(pairs) or usable, usable))
+    except (OSError, AttributeError, IndexError):
+        return max(1, (os.cpu_count() or 2))
+
+
+def set_threads(threads: int | None) -> tuple[int, str | None]:
+    """Set torch's intra-op threads (default: $SPECDRAFT_THREADS, else the physical cores).
+    Returns (threads, note) where the note warns when other processes already keep the cores
+    busy: OpenMP threads that get descheduled spin-wait on each other, and decoding can fall 10-30x."""
+    if threads is None and os.environ.get("SPECDRAFT_THREADS", "").isdigit():
+        threads = int(os.environ["SPECDRAFT_THREADS"])
+    if threads is not None and threads < 1:
+        raise SpecdraftError(f"--threads must be >= 1, got {threads}")
+    n = threads or physical_cores()
+    torch.set_num_threads(n)
+    note = None
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:
+        busy = 0.0
+    if busy + n > (os.cpu_count() or n) + 1.0:  # a decayed trace of a finished job is not a busy machine
+        note = (f"the machine looks busy (load {busy:.1f} on {os.cpu_count()} CPUs) and {n} threads may "
+                f"oversubscribe it; timings will be slow and noisy (try --threads {max(1, n - round(busy))})")
+    return n, note

@@ -24,6 +24,14 @@ from dataclasses import dataclass
 import torch
 
 
+# Forwards of at most this many tokens per row (decode steps, verification, drafting) attend
+# with two small matmuls, and their key spans start at 0 on every layer, sliding ones included:
+# keys then sit at the same offsets whatever the round's lowest position, and a row's scores and
+# p.V sums come out bit-identical whether it is verified with 1 or with K+1 queries (a span that
+# starts later prepends keys to some rounds and not others, which changes p.V's blocking).
+SHORT_FORWARD = 16
+
+
 @dataclass
 class AttentionSpan:
     """The key range [lo, hi) that some query in a forward can see, and the mask over it.
@@ -125,10 +133,16 @@ class KVCache:
         self.positions = self.lengths[:, None] + steps[None, :]
         return self.positions
 
+    @property
+    def span_end(self) -> int:
+        """One past the last position the current forward writes, over all rows."""
+        return self._span_bounds[1]
+
     def span(self, window: int | None) -> AttentionSpan:
         """Keys visible to the current forward's queries: causal, and within `window` if given."""
         min_len, hi = self._span_bounds
-        return attention_span(self.positions, min_len, hi, window)
+        lowest = 0 if self.positions.shape[1] <= SHORT_FORWARD else min_len
+        return attention_span(self.positions, lowest, hi, window)
 
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [B, kv_heads, T, head_dim] for the current forward at cache slot `slot`."""
@@ -164,3 +178,16 @@ class KVCache:
             self._host[self._offset + row] = n
             self.lengths[row] = n
 
+
+
+class IndexedWrites:
+    """The cache as a compiled step sees it: storage and the positions being written, nothing
+    kept on the host, so one compiled graph serves every position and every mix of row lengths."""
+
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], positions: torch.Tensor):
+        self.k, self.v, self.positions = k, v, positions
+        self._rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+
+    def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[slot][self._rows, :, self.positions] = k.transpose(1, 2)
+        self.v[slot][self._rows, :, self.positions] = v.transpose(1, 2)

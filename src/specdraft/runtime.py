@@ -9,8 +9,10 @@ from pathlib import Path
 import torch
 
 from specdraft.config import ModelConfig
-from specdraft.device import dtype_name, resolve_device, resolve_dtype
+from specdraft.device import dtype_name, resolve_device, resolve_dtype, resolve_weights
 from specdraft.loading import load_folder, resolve_model
+from specdraft.models.compile import compile_steps
+from specdraft.models.quant import compact_weights
 from specdraft.tokenizer import Tokenizer
 
 
@@ -37,21 +39,32 @@ class Runtime:
     dtype: torch.dtype
     notes: list[str] = field(default_factory=list)
 
+    weights: str = "dtype"
+
     @classmethod
-    def load(cls, name_or_path: str, dtype: str = "auto", device: str = "auto", progress: bool = True) -> "Runtime":
+    def load(cls, name_or_path: str, dtype: str = "auto", device: str = "auto", progress: bool = True,
+             weights: str = "auto", compile: bool = False) -> "Runtime":
+        """Load a target. weights: auto | dtype | int8 | int4 (device.resolve_weights); compile:
+        route decode/verify forwards through a torch.compile'd step (models/compile.py)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
+        fmt = resolve_weights(weights, dev, dt)
         folder = resolve_model(name_or_path, progress)
         model, cfg, notes = load_folder(folder, dt, dev)
+        compact_weights(model, fmt)
+        if compile:
+            compile_steps(model, announce=progress)
         eos = cfg.eos_token_ids + generation_eos_ids(folder)
-        return cls(name_or_path, folder, model, cfg, Tokenizer(folder, eos), dev, dt, notes)
+        return cls(name_or_path, folder, model, cfg, Tokenizer(folder, eos), dev, dt, notes, fmt)
 
     @property
     def dtype_name(self) -> str:
         return dtype_name(self.dtype)
 
     def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        """Bytes of weights and packed buffers (the KV cache is counted apart)."""
+        tensors = list(self.model.parameters()) + list(self.model.buffers())
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def engine(self, drafter=None, draft_tokens: int = 4):
         from specdraft.speculative.engine import Engine

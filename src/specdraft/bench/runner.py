@@ -19,8 +19,10 @@ import torch
 from specdraft.bench import ALL_METHODS, DEFAULT_METHODS, PEER_METHODS, SPECDRAFT_METHODS, memory, metrics, peers
 from specdraft.bench.methods import BenchContext, Method, Skip, build_specdraft
 from specdraft.bench.questions import PLAIN_TEMPLATE, Question, encode, prompt_style, read_questions, select
+from specdraft.device import resolve_device, set_threads
 from specdraft.errors import SpecdraftError
 from specdraft.loading.presets import DEFAULT_MODEL
+from specdraft.models.compile import resolve_compile
 from specdraft.sampling import SamplingParams
 
 REFERENCE = "plain"
@@ -45,7 +47,9 @@ class BenchConfig:
     repeats: int = 1
     dtype: str = "auto"
     device: str = "auto"
-    threads: int | None = None  # CPU threads for torch and llama.cpp alike; None = torch's default
+    threads: int | None = None  # CPU threads for torch and llama.cpp alike; None = the physical cores
+    weights: str = "auto"  # device.resolve_weights
+    compile: str = "auto"  # models.compile.resolve_compile
     out: Path = Path("bench-out")
     warmup: bool = True
     progress: bool = True
@@ -94,6 +98,9 @@ def machine_info(rt) -> dict:
         "specdraft": version("specdraft"),
         "device": str(rt.device),
         "dtype": rt.dtype_name,
+        "weights": rt.weights,
+        "compiled": rt.model.compiled_step is not None,
+        "compile_seconds": round(rt.model.compiled_step.compile_seconds, 1) if rt.model.compiled_step else None,
         "gpu": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else None,
     }
     info.update(_git_state())
@@ -265,11 +272,15 @@ def run_bench(cfg: BenchConfig) -> dict:
     questions = select(read_questions(cfg.questions), cfg.categories, cfg.limit_per_category)
     names = list(dict.fromkeys([REFERENCE] + list(cfg.methods)))  # plain is the yardstick: always run
     sampling = SamplingParams(cfg.temperature, 0, 1.0, cfg.seed)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)  # llama.cpp reads the same number (peers.py)
+    set_threads(cfg.threads)  # llama.cpp reads the same number (peers.py)
+    expected = len(questions) * cfg.max_new_tokens * len(names) * len(cfg.batch_sizes) * cfg.repeats
+    compile_step = resolve_compile(cfg.compile, resolve_device(cfg.device), expected)
 
     rss0 = memory.rss_bytes()
-    rt = Runtime.load(cfg.model, cfg.dtype, cfg.device, progress=cfg.progress)
+    rt = Runtime.load(cfg.model, cfg.dtype, cfg.device, progress=cfg.progress, weights=cfg.weights,
+                      compile=compile_step)
+    if compile_step:
+        rt.model.compiled_step.warm_up(max(cfg.batch_sizes))  # compile time stays out of every timer
     target_load = max(0, memory.rss_bytes() - rss0)
     style = prompt_style(rt.tokenizer)
     ids = [encode(rt.tokenizer, q, style) for q in questions]  # tokenized once, outside every timer

@@ -74,9 +74,6 @@ prompt format: the model's chat template when it has one, else the plain templat
     p.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0 (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt, at most (default 128)")
     p.add_argument("--repeats", type=int, default=1, help="measure each batch R times (default 1)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for every method (torch and llama.cpp alike; default: torch's default, "
-                        "usually the number of cores)")
     p.add_argument("--out", type=Path, default=Path("bench-out"),
                    help="folder for results.json, results.md and the PNG plots (default bench-out)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -100,7 +97,7 @@ def run(args) -> int:
         draft_model=args.draft_model, draft_tokens=args.draft_tokens, gguf=args.gguf,
         batch_sizes=args.batch_sizes, temperature=args.temperature, seed=args.seed,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype, device=args.device,
-        threads=args.threads, out=args.out, progress=not args.no_progress, plots=not args.no_plots,
+        threads=args.threads, weights=args.weights, compile=args.compile, out=args.out, progress=not args.no_progress, plots=not args.no_plots,
     )
     payload = run_bench(cfg)
     print(text_summary(payload))

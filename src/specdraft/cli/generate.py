@@ -30,6 +30,33 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations; auto = bfloat16 on CUDA or on CPUs with AMX/AVX512-BF16, "
                         "else float32 (float32 is the exactness reference)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (auto = cuda when available)")
+    p.add_argument("--weights", default="auto", choices=["auto", "dtype", "int8", "int4"],
+                   help="how weights are stored: auto = int8 on a CPU in bfloat16, else as --dtype; int8: one "
+                        "scale per row, near-lossless (KL 0.005 vs bf16 on gemma3-270m) and half the bytes; "
+                        "int4: a quarter of the bytes, measurably worse (KL 0.24); dtype: unquantised")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: $SPECDRAFT_THREADS, else the physical cores); more threads than free cores makes "
+                        "decoding stall")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="compile the decode/verify step with torch.compile: faster steps for a one-time cost "
+                        "(tens of seconds on a small CPU, less once cached); auto = on for long jobs "
+                        "(servers, benchmarks, >= 4096 tokens), off for short generations")
+
+
+def load_target(args, expected_tokens: int | None = None, progress: bool = True):
+    """The Runtime the --model/--dtype/--device/--weights/--threads/--compile flags describe.
+
+    expected_tokens: how many tokens the job will decode (None: long-running), for --compile auto."""
+    from specdraft.device import resolve_device, set_threads
+    from specdraft.models.compile import resolve_compile
+    from specdraft.runtime import Runtime
+
+    threads, note = set_threads(args.threads)
+    if note and progress:
+        print(f"specdraft: note: {note}", file=sys.stderr)
+    compile_step = resolve_compile(args.compile, resolve_device(args.device), expected_tokens)
+    return Runtime.load(args.model, args.dtype, args.device, progress=progress, weights=args.weights,
+                        compile=compile_step)
 
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
@@ -116,7 +143,7 @@ def run(args) -> int:
         raise SpecdraftError("--stop needs a non-empty string (an empty one would stop at once)")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     prompts = collect_prompts(args)
-    rt = Runtime.load(args.model, args.dtype, args.device)
+    rt = load_target(args, expected_tokens=len(prompts) * args.max_new_tokens)
     drafter, kind, k = load_drafter(rt, args.drafter, args.drafter_path, args.draft_tokens,
                                     min(args.batch_size, len(prompts)), load_runtime=Runtime.load)
     for note in ignored_flags(args, kind):

@@ -59,8 +59,15 @@ def run(args) -> int:
     except ImportError as e:
         raise SpecdraftError(f"specdraft serve needs the serve extra ({e.name} is missing): "
                              "pip install 'specdraft[serve]'") from None
+    from specdraft.device import resolve_device, set_threads
+    from specdraft.models.compile import resolve_compile
+
+    _, note = set_threads(args.threads)
+    if note:
+        print(f"specdraft: note: {note}", file=sys.stderr)
     served = load_served(args.model, args.drafter, args.dtype, args.device, args.max_batch_size, args.max_context,
-                         args.drafter_path, args.draft_tokens)
+                         args.drafter_path, args.draft_tokens, args.weights,
+                         resolve_compile(args.compile, resolve_device(args.device)))
     print(f"specdraft: serving {served.name} (drafter {served.drafter}) on http://{args.host}:{args.port}/ "
           f"- playground at /, API at /v1", file=sys.stderr)
     uvicorn.run(create_app(lambda: served, args.max_queue, args.api_key), host=args.host, port=args.port,

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from specdraft.cli.generate import add_model_args
+from specdraft.cli.generate import add_model_args, load_target
 from specdraft.errors import SpecdraftError
 
 
@@ -118,9 +118,8 @@ def _drafter_config(rt, args, recommended_k: int | None):
 
 def run_init(args) -> int:
     from specdraft.drafters.mtp import init_network, save_network
-    from specdraft.runtime import Runtime
 
-    rt = Runtime.load(args.model, args.dtype, args.device)
+    rt = load_target(args, expected_tokens=0)
     net = init_network(_drafter_config(rt, args, None), rt.model, seed=args.seed)
     if net.masked_embedding is not None:
         from specdraft.training.clustering import balanced_clusters
@@ -133,7 +132,6 @@ def run_init(args) -> int:
 
 
 def run_train(args) -> int:
-    from specdraft.runtime import Runtime
     from specdraft.training.data import DataConfig, build_dataset, load_sequences
     from specdraft.training.prompts import load_prompt_set
     from specdraft.training.trainer import TrainConfig, Trainer, init_distributed
@@ -146,7 +144,7 @@ def run_train(args) -> int:
             raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
     distributed = init_distributed()
     started = time.time()
-    rt = Runtime.load(args.model, args.dtype, args.device)
+    rt = load_target(args, expected_tokens=0)
     prompts = load_prompt_set(args.prompts, args.exclude_eval, held_out_fraction=0.05, limit=args.num_prompts)
     held = prompts.held_out[: args.held_out]
     print(f"prompts: {len(prompts.train)} train, {len(held)} held out, {len(prompts.refused)} refused as "
@@ -197,7 +195,6 @@ def _parse_ks(text: str) -> list[int]:
 def run_eval(args) -> int:
     from specdraft.drafters import load_drafter, shipped_drafter_path
     from specdraft.prompts import read_prompts
-    from specdraft.runtime import Runtime
     from specdraft.sampling import SamplingParams
     from specdraft.training.evaluate import evaluate_drafter
 
@@ -210,7 +207,7 @@ def run_eval(args) -> int:
         raise SpecdraftError(f"--temperatures expects numbers like 0,1; got {args.temperatures!r}") from None
     for t in temps:
         SamplingParams(t)  # refuses NaN, infinities and negatives before the model loads
-    rt = Runtime.load(args.model, args.dtype, args.device)
+    rt = load_target(args, expected_tokens=0)
     path = args.drafter_path or shipped_drafter_path(rt.name)
     if path is None:
         raise SpecdraftError(f"no drafter ships for {rt.name!r}: give --drafter-path")

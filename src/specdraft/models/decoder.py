@@ -14,10 +14,9 @@ from torch import nn
 
 from specdraft.config import SLIDING, ModelConfig
 from specdraft.kv_cache import AttentionSpan, KVCache
-from specdraft.models.layers import GatedMLP, RMSNorm, attend, softcap
-from specdraft.models.quant import head_scores
+from specdraft.models.layers import GatedMLP, RMSNorm, attend
 from specdraft.models.rope import RopeTable, apply_rope
-from specdraft.models.target import AttentionLayout
+from specdraft.models.target import AttentionLayout, CachedDecoder
 
 
 class Attention(nn.Module):
@@ -85,7 +84,7 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Transformer(nn.Module):
+class Transformer(CachedDecoder):
     """forward(tokens, cache) -> final-normed hidden states; logits(hidden) -> vocabulary scores."""
 
     def __init__(self, cfg: ModelConfig):
@@ -96,26 +95,15 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.ropes = {t: RopeTable(p, cfg.head_dim, cfg.max_position_embeddings) for t, p in cfg.rope.items()}
-        self.packed_head = None  # set by models.quant.compact_weights
+        self.windows = {t: cfg.sliding_window if t == SLIDING else None for t in self.ropes}
 
     # --- what the engine and the drafters use (models.target.TargetModel) -------------------------------------------
-    @property
-    def head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings with the model's own scaling (Gemma: sqrt(hidden), rounded to the weight dtype)."""
         e = self.embed_tokens(tokens)
         if self.config.embed_scale != 1.0:
             e = e * torch.tensor(self.config.embed_scale, dtype=e.dtype)
         return e
-
-    def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        return head_scores(self, hidden)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden [..., H] -> logits [..., V] in float32 (final softcap applied)."""
-        return softcap(head_scores(self, hidden).float(), self.config.final_softcap)
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         cfg = self.config
@@ -141,15 +129,11 @@ class Transformer(nn.Module):
             rope=self.ropes[t], q_norm=cfg.qk_norm,
         )
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """tokens [B, T] written at each row's next T positions -> final-normed hidden [B, T, H]."""
-        positions = cache.begin(tokens.shape[1])
+    def run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, kv, spans: dict[str, AttentionSpan]) -> torch.Tensor:
         x = self.embed(tokens)
         rope = {t: table.lookup(positions, x.dtype) for t, table in self.ropes.items()}
-        spans = {t: cache.span(self.config.sliding_window if t == SLIDING else None) for t in self.ropes}
         for i, layer in enumerate(self.layers):
             t = self.config.layer_types[i]
             cos, sin = rope[t]
-            x = layer(x, cos, sin, cache, i, spans[t])
-        cache.end()
+            x = layer(x, cos, sin, kv, i, spans[t])
         return self.norm(x)

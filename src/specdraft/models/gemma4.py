@@ -27,10 +27,9 @@ from torch import nn
 from specdraft.config import FULL, SLIDING, ModelConfig
 from specdraft.kv_cache import AttentionSpan, KVCache
 from specdraft.models.gemma4_config import Gemma4Params, gemma4_params
-from specdraft.models.layers import GatedMLP, RMSNorm, activation, attend, softcap
-from specdraft.models.quant import head_scores
+from specdraft.models.layers import GatedMLP, RMSNorm, activation, attend
 from specdraft.models.rope import RopeTable, apply_rope
-from specdraft.models.target import AttentionLayout
+from specdraft.models.target import AttentionLayout, CachedDecoder
 
 
 class Gemma4RMSNorm(RMSNorm):
@@ -170,7 +169,7 @@ class Gemma4Layer(nn.Module):
         return x * self.layer_scalar
 
 
-class Gemma4Transformer(nn.Module):
+class Gemma4Transformer(CachedDecoder):
     """forward(tokens, cache) -> final-normed hidden states; logits(hidden) -> vocabulary scores."""
 
     def __init__(self, cfg: ModelConfig):
@@ -187,24 +186,13 @@ class Gemma4Transformer(nn.Module):
         self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.ropes = {t: RopeTable(r, p.head_dim[t], cfg.max_position_embeddings) for t, r in cfg.rope.items()}
-        self.packed_head = None  # set by models.quant.compact_weights
+        self.windows = {t: cfg.sliding_window if t == SLIDING else None for t in dict.fromkeys(cfg.layer_types)}
 
     # --- what the engine and the drafters use (models.target.TargetModel) -------------------------------------------
-    @property
-    def head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings times sqrt(hidden), the scale rounded to the weight dtype (as the reference)."""
         e = self.embed_tokens(tokens)
         return e * torch.tensor(self.config.embed_scale, dtype=e.dtype)
-
-    def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        return head_scores(self, hidden)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden [..., H] -> logits [..., V] in float32 (final softcap applied)."""
-        return softcap(head_scores(self, hidden).float(), self.config.final_softcap)
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         """One slot per layer that computes K/V (KV-shared layers read their producer's slot)."""
@@ -255,21 +243,16 @@ class Gemma4Transformer(nn.Module):
         context = self.per_layer_projection_norm(context.reshape(shape))
         return (context + token_part) * 2.0**-0.5
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """tokens [B, T] written at each row's next T positions -> final-normed hidden [B, T, H]."""
+    def run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, kv, spans: dict[str, AttentionSpan]) -> torch.Tensor:
         cfg = self.config
-        positions = cache.begin(tokens.shape[1])
         if self.params.placeholder_token_ids:
             placeholders = torch.tensor(self.params.placeholder_token_ids, device=tokens.device)
             tokens = torch.where(torch.isin(tokens, placeholders), self.config.pad_token_id, tokens)
         x = self.embed(tokens)
         ple = self.per_layer_inputs(tokens, x) if self.params.hidden_size_per_layer_input else None
-        types = set(cfg.layer_types)
-        rope = {t: self.ropes[t].lookup(positions, x.dtype) for t in types}
-        spans = {t: cache.span(cfg.sliding_window if t == SLIDING else None) for t in types}
+        rope = {t: self.ropes[t].lookup(positions, x.dtype) for t in self.windows}
         for i, layer in enumerate(self.layers):
             t = cfg.layer_types[i]
             cos, sin = rope[t]
-            x = layer(x, cos, sin, cache, self.cache_slot(i), spans[t], None if ple is None else ple[:, :, i])
-        cache.end()
+            x = layer(x, cos, sin, kv, self.cache_slot(i), spans[t], None if ple is None else ple[:, :, i])
         return self.norm(x)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.kv_cache import SHORT_FORWARD
+
 
 class RMSNorm(nn.Module):
     """RMSNorm in float32. Gemma scales by (1 + w) and rounds after the scale; Llama scales
@@ -71,7 +73,7 @@ def attend(
 
 # Decode, verify and drafter queries are a handful of tokens; for those the CPU flash kernel
 # costs 2-5x more than two small matmuls (2.2 ms vs 0.4 ms for 1 query over 1000 keys).
-SHORT_QUERY = 16
+SHORT_QUERY = SHORT_FORWARD
 
 
 def _attend_short(q, k, v, mask, scale, softcap):

@@ -19,8 +19,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_FORMATS = ("bf16", "int8", "int4")
+from specdraft.kv_cache import SHORT_FORWARD
+
+WEIGHT_FORMATS = ("dtype", "int8", "int4")  # dtype: weights stay in the model's dtype
 INT4_GROUP = 32
+# The packed kernels stream the weights once per 4 rows: right for decode and verify widths,
+# 2.5-3x slower than a bf16 GEMM for a prompt. Inputs of more tokens per row than a short forward
+# (prompts) dequantise the weight and use F.linear. The choice depends on tokens per row, never
+# on the batch: a row's verify and its plain steps must take the same kernel at any batch size.
+PACKED_MAX_ROWS = SHORT_FORWARD
+
+
+def _wide(x: torch.Tensor) -> bool:
+    """x [..., T, K] (or [N, K], one token per row): a prompt-sized input?"""
+    return x.dim() >= 3 and x.shape[-2] > PACKED_MAX_ROWS
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,10 +64,13 @@ class Int8Linear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def dequantized(self) -> torch.Tensor:
-        return self.qweight.float() * self.scales.float()[:, None]
+        return self.qweight.to(self.scales.dtype) * self.scales[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.qweight, self.scales)
+        if _wide(x):
+            return F.linear(x, self.dequantized(), self.bias)
+        rows = x.reshape(-1, self.in_features)
+        y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -70,16 +85,21 @@ class Int4Linear(nn.Module):
         # The kernel dequantises as (q - 8) * scale + zero, so zero = min + 8 * scale.
         zeros = lo + 8 * scales
         self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(dtype))
-        self._codes_shape = q.shape
+        # The codes again, two per byte, for wide inputs (the kernel's packing is opaque).
+        self.register_buffer("nibbles", (q[:, 0::2] | (q[:, 1::2] << 4)).to(torch.uint8))
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype), requires_grad=False)
 
     def dequantized(self) -> torch.Tensor:
-        eye = torch.eye(self.in_features, dtype=self.scales_and_zeros.dtype)
-        return self.forward(eye).t().float() - (0 if self.bias is None else self.bias.float()[:, None])
+        n, k, g = self.out_features, self.in_features, self.group
+        q = torch.stack([self.nibbles & 15, self.nibbles >> 4], dim=-1).view(n, k // g, g).to(self.scales_and_zeros.dtype)
+        scale, zero = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # [N, K/g] each
+        return ((q - 8) * scale[..., None] + zero[..., None]).view(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.in_features), self.packed, self.group, self.scales_and_zeros)
+        if _wide(x):
+            return F.linear(x, self.dequantized(), self.bias)
+        rows = x.reshape(-1, self.in_features)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -100,7 +120,7 @@ def compact_weights(model: nn.Module, fmt: str) -> None:
     The embedding table stays in the model's dtype (input lookups and the MTP drafter's
     clustered head read its rows); the head that scores all V tokens becomes `model.packed_head`.
     """
-    if fmt == "bf16":
+    if fmt == "dtype":
         return
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r} (use {', '.join(WEIGHT_FORMATS)})")

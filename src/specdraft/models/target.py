@@ -10,9 +10,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from specdraft.config import ModelConfig
-from specdraft.kv_cache import KVCache
+from specdraft.kv_cache import AttentionSpan, KVCache
+from specdraft.models.layers import softcap
+from specdraft.models.quant import head_scores
 from specdraft.models.rope import RopeTable
 
 
@@ -62,3 +65,42 @@ class TargetModel(Protocol):
         """Layers that compute and store their own K/V, in order."""
 
     def attention_layout(self, layer: int) -> AttentionLayout: ...
+
+
+class CachedDecoder(nn.Module):
+    """What both model families share: the cached forward and the LM head.
+
+    Subclasses define `run_layers` (embedding to final norm) and set `config`, `windows`
+    (layer type -> sliding window or None), `embed_tokens` and `lm_head`.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.packed_head: nn.Module | None = None  # set by models.quant.compact_weights
+        self.compiled_step = None  # set by models.compile.compile_steps
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """tokens [B, T] written at each row's next T positions -> final-normed hidden [B, T, H]."""
+        positions = cache.begin(tokens.shape[1])
+        if self.compiled_step is not None and self.compiled_step.handles(tokens):
+            hidden = self.compiled_step(tokens, positions, cache)
+        else:
+            hidden = self.run_layers(tokens, positions, cache, {t: cache.span(w) for t, w in self.windows.items()})
+        cache.end()
+        return hidden
+
+    def run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, kv, spans: dict[str, AttentionSpan]) -> torch.Tensor:
+        """The forward proper once positions and key spans are known; `kv` stores the new K/V
+        (the KVCache itself, or IndexedWrites inside a compiled step)."""
+        raise NotImplementedError
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
+        return head_scores(self, hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [..., H] -> logits [..., V] in float32 (final softcap applied)."""
+        return softcap(head_scores(self, hidden).float(), self.config.final_softcap)

@@ -284,7 +284,7 @@ class Engine:
         if self.hidden is None:
             self.hidden = hidden.new_zeros(self.tokens.shape[0], hidden.shape[-1])
         with self.timer.phase("verify"):
-            logits = self.model.logits(hidden)
+            logits = self._scores(hidden, rows)
             none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
             _, first = self._verify(logits[:, None], Draft(none, none.new_zeros(len(rows))), rows)
         for slot in slots:  # each swap only touches slots below the next one
@@ -314,7 +314,7 @@ class Engine:
         kk = draft.tokens.shape[1]
         with timer.phase("verify"):
             out = self.model(torch.cat([last[:, None], draft.tokens], dim=1), cache)
-            accepted, nxt = self._verify(self.model.logits(out), draft, rows)
+            accepted, nxt = self._verify(self._scores(out, rows), draft, rows)
         with timer.phase("other"):
             # Accept: write b's successors d1..dn, t into the history; the cache keeps b and d1..dn.
             steps = torch.arange(kk + 1, device=self.device)
@@ -358,6 +358,13 @@ class Engine:
         if group.sample_drafts and not group.params.greedy and all(r.group is group for r in rows):
             return self.drafter.propose(inp, self.k, group.params, group.generator)
         return self.drafter.propose(inp, self.k, GREEDY, None)
+
+    def _scores(self, hidden: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
+        """What verification reads: when every row is greedy only the argmax matters, so the head's
+        raw scores do (no float32 copy of (K+1) x V logits; the softcap is monotonic)."""
+        if all(r.group.params.greedy for r in rows):
+            return self.model.head_scores(hidden)
+        return self.model.logits(hidden)
 
     def _verify(self, logits: torch.Tensor, draft: Draft, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
         """(accepted count, next token) per row: greedy rows together, each sampling group with

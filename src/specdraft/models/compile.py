@@ -1,0 +1,95 @@
+"""The decode/verify forward compiled with torch.compile (Inductor), eager kept as the reference.
+
+An eager step of a small model is mostly Python and kernel-launch overhead: some 1,800 small
+ops (norms, RoPE, masks, residuals) around a few dozen matmuls. Compiled, the ops between the
+matmuls fuse into a handful of C++ loops.
+
+Shapes: one graph serves every position, cache length and query width up to SHORT_FORWARD. The
+step reads positions as a tensor and the key extent as a symbolic size, and writes K/V by
+index (`IndexedWrites`), so nothing it guards on changes from one step to the next. Dynamo
+specialises sizes 0 and 1, so width 1 (plain decoding) and batch 1 get graphs of their own:
+at most four graphs per process. Prompts (wider forwards) stay eager.
+
+Compilation costs tens of seconds on a small CPU the first time; Inductor's on-disk cache
+(under $TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER) makes later processes faster.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+import torch._dynamo
+
+from specdraft.kv_cache import SHORT_FORWARD, IndexedWrites, KVCache, attention_span
+
+COMPILE_CHOICES = ("auto", "on", "off")
+
+
+class CompiledStep:
+    """Calls `model.run_layers` through one torch.compile'd function for short forwards."""
+
+    def __init__(self, model: torch.nn.Module, max_width: int = SHORT_FORWARD, announce: bool = True):
+        self.model = model
+        self.max_width = max_width
+        self.announce = announce
+        self.compile_seconds = 0.0
+        self._seen: set[tuple[bool, bool]] = set()
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+        self._step = torch.compile(self._run, fullgraph=True, dynamic=True)
+
+    def handles(self, tokens: torch.Tensor) -> bool:
+        return tokens.shape[1] <= self.max_width
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        shape_class = (tokens.shape[0] == 1, tokens.shape[1] == 1)
+        if shape_class in self._seen:
+            return self._step(tokens, positions, cache.span_end, cache.k, cache.v)
+        # A graph this process has not built yet: say so, and time it apart from generation.
+        if self.announce:
+            print(f"specdraft: compiling the {'decode' if shape_class[1] else 'verify'} step "
+                  f"(batch {'1' if shape_class[0] else '> 1'}); about 20-90 s the first time on a small CPU, "
+                  "faster once cached", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        out = self._step(tokens, positions, cache.span_end, cache.k, cache.v)
+        self.compile_seconds += time.perf_counter() - t0
+        self._seen.add(shape_class)
+        return out
+
+    def warm_up(self, max_batch_size: int = 1) -> float:
+        """Build the graphs a run up to `max_batch_size` rows will use, on a scratch cache; returns seconds."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            for rows in sorted({1, min(2, max_batch_size)}):
+                for width in (1, 2):
+                    cache = self.model.new_cache(rows, 8)
+                    self.model(torch.zeros(rows, width, dtype=torch.long, device=cache.device), cache)
+        return time.perf_counter() - t0
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, end: int,
+             k: list[torch.Tensor], v: list[torch.Tensor]) -> torch.Tensor:
+        spans = {t: attention_span(positions, 0, end, w) for t, w in self.model.windows.items()}
+        return self.model.run_layers(tokens, positions, IndexedWrites(k, v, positions), spans)
+
+
+def compile_steps(model: torch.nn.Module, announce: bool = True) -> CompiledStep:
+    """Route the model's short forwards (decode, verify, drafting over its cache) through a
+    compiled step; wider forwards (prompts) stay eager."""
+    model.compiled_step = CompiledStep(model, announce=announce)
+    return model.compiled_step
+
+
+def resolve_compile(choice: str, device: torch.device, expected_tokens: int | None = None) -> bool:
+    """auto: compile where the process will decode enough tokens to earn the compile time back
+    (servers, benchmarks, long generations); a short one-off generation stays eager."""
+    if choice not in COMPILE_CHOICES:
+        raise ValueError(f"unknown compile choice {choice!r}")
+    if choice != "auto":
+        return choice == "on"
+    return expected_tokens is None or expected_tokens >= AUTO_COMPILE_MIN_TOKENS
+
+
+# Compiling costs ~20-90 s on a 2-core CPU and saves ~10-20 ms per step: it pays from a few
+# thousand tokens on (measured, BENCHMARKS.md).
+AUTO_COMPILE_MIN_TOKENS = 4096

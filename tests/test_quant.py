@@ -1,0 +1,135 @@
+"""Packed int8/int4 weights: they compute what their dequantised weights compute, a row's result
+does not depend on how many rows are computed with it (what makes speculative output equal plain
+output in bfloat16), and a model with packed weights decodes speculatively token for token as
+it decodes plainly, eager and compiled.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TinyModel, prompts_of
+from specdraft.device import resolve_weights
+from specdraft.drafters.ngram import NgramDrafter
+from specdraft.errors import SpecdraftError
+from specdraft.loading import load_folder
+from specdraft.models.quant import PACKED_MAX_ROWS, Int4Linear, Int8Linear, compact_weights
+from specdraft.speculative.engine import Engine
+
+BF16 = torch.bfloat16
+PACKED = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def weight(n: int = 96, k: int = 128, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(BF16)
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_packed_linear_computes_its_dequantised_weight(fmt: str) -> None:
+    w = weight()
+    layer = PACKED[fmt](w, None, BF16)
+    deq = layer.dequantized().float()
+    # The quantisation error itself is bounded by half a step of the format.
+    step = w.float().abs().amax(1, keepdim=True) / 127 if fmt == "int8" else (w.float().abs().amax() * 2 / 15)
+    assert ((deq - w.float()).abs() <= step / 2 + 1e-2).all()
+    for rows in (1, 3, PACKED_MAX_ROWS + 4):  # the packed kernel, and the dequantise-then-GEMM path
+        x = torch.randn(1, rows, w.shape[1], generator=torch.Generator().manual_seed(rows)).to(BF16)
+        ref = x.float() @ deq.t()
+        # bf16 output: a few ulps of the result's magnitude.
+        assert (layer(x).float() - ref).abs().max() <= 4 * 2**-8 * ref.abs().max()
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_a_rows_result_does_not_depend_on_the_number_of_rows(fmt: str) -> None:
+    """Row i of an M-row product has the same bits for every M up to a verify width: the
+    property that lets a K+1-row verification reproduce K+1 one-row steps exactly."""
+    for n, k in [(256, 640), (640, 2048), (4096, 640)]:
+        layer = PACKED[fmt](weight(n, k, seed=n), None, BF16)
+        x = torch.randn(PACKED_MAX_ROWS, k, generator=torch.Generator().manual_seed(k)).to(BF16)
+        one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(PACKED_MAX_ROWS)])
+        for m in range(2, PACKED_MAX_ROWS + 1):
+            assert torch.equal(layer(x[:m]), one_by_one[:m]), (n, k, m)
+
+
+def test_weights_choice_is_checked() -> None:
+    cpu = torch.device("cpu")
+    assert resolve_weights("auto", cpu, BF16) == "int8"
+    assert resolve_weights("auto", cpu, torch.float32) == "dtype"
+    with pytest.raises(SpecdraftError, match="bfloat16"):
+        resolve_weights("int8", cpu, torch.float32)
+    with pytest.raises(SpecdraftError, match="unknown weights"):
+        resolve_weights("int3", cpu, BF16)
+
+
+def packed_tiny(tiny: TinyModel, fmt: str):
+    model, _, _ = load_folder(tiny.folder, BF16, "cpu")
+    compact_weights(model, fmt)
+    return model
+
+
+@pytest.mark.parametrize("fmt", PACKED)
+def test_packed_model_stays_close_to_bf16(gemma_tiny: TinyModel, fmt: str) -> None:
+    ids = torch.tensor(prompts_of([20], gemma_tiny.cfg.vocab_size, seed=3))
+    dense, _, _ = load_folder(gemma_tiny.folder, BF16, "cpu")
+    packed = packed_tiny(gemma_tiny, fmt)
+    with torch.inference_mode():
+        ref = torch.log_softmax(dense.logits(dense(ids, dense.new_cache(1, 24))), -1)
+        got = torch.log_softmax(packed.logits(packed(ids, packed.new_cache(1, 24))), -1)
+    kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+    assert kl < (0.01 if fmt == "int8" else 0.2), kl
+    assert any(isinstance(m, Int8Linear if fmt == "int8" else Int4Linear) for m in packed.modules())
+    assert packed.packed_head is not None
+
+
+def speculative_equals_plain(model, prompts: list[list[int]], batch: int, max_new: int = 24) -> None:
+    plain = Engine(model).generate(prompts, max_new, eos_token_ids=[])
+    spec = Engine(model, drafter=NgramDrafter(), draft_tokens=4)
+    for start in range(0, len(prompts), batch):
+        got = spec.generate(prompts[start : start + batch], max_new, eos_token_ids=[])
+        for a, b in zip(got, plain[start : start + batch]):
+            assert a.token_ids == b.token_ids
+
+
+def repetitive_prompts(vocab: int, n: int = 4) -> list[list[int]]:
+    # Repeats give prompt lookup long drafts, so verification runs wide.
+    return [p + p[:7] + p for p in prompts_of([9, 14, 11, 6][:n], vocab, seed=11)]
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_bf16_int8_speculative_output_equals_plain(gemma_tiny: TinyModel, batch: int) -> None:
+    """The default CPU configuration (bfloat16 activations, int8 weights) is exact, not just fp32."""
+    model = packed_tiny(gemma_tiny, "int8")
+    speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size), batch)
+
+
+@pytest.mark.slow
+def test_compiled_step_matches_eager_in_float32(gemma_tiny: TinyModel) -> None:
+    """Eager is the reference: in float32 the compiled step gives the same logits up to rounding
+    and the same greedy tokens, plain and speculative."""
+    from specdraft.models.compile import compile_steps
+
+    model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
+    prompts = repetitive_prompts(gemma_tiny.cfg.vocab_size, 1)
+    eager = Engine(model).generate(prompts, 16, eos_token_ids=[])
+    ids = torch.tensor([prompts[0] + eager[0].token_ids])
+    n = len(prompts[0])
+    with torch.inference_mode():
+        ref = model.logits(model(ids, model.new_cache(1, 64))[:, n:])
+        step = compile_steps(model, announce=False)
+        cache = model.new_cache(1, 64)
+        model(ids[:, :n], cache)  # the prompt: eager
+        got = torch.cat([model.logits(model(ids[:, t : t + 4], cache)) for t in range(n, ids.shape[1], 4)], 1)
+    assert step.compile_seconds > 0  # the compiled graph really ran
+    assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+    assert Engine(model).generate(prompts, 16, eos_token_ids=[])[0].token_ids == eager[0].token_ids
+    speculative_equals_plain(model, prompts, 1)
+
+
+@pytest.mark.slow
+def test_compiled_bf16_int8_speculative_output_equals_plain(gemma_tiny: TinyModel) -> None:
+    from specdraft.models.compile import compile_steps
+
+    model = packed_tiny(gemma_tiny, "int8")
+    compile_steps(model, announce=False)
+    speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size, 2), 1)

@@ -99,7 +99,7 @@ def set_threads(threads: int | None) -> tuple[int, str | None]:
         busy = os.getloadavg()[0]
     except OSError:
         busy = 0.0
-    if busy + n > (os.cpu_count() or n) + 1.0:  # a decayed trace of a finished job is not a busy machine
+    if n > 1 and busy + n > (os.cpu_count() or n) + 1.0:  # a decayed trace of a finished job is not a busy machine
         note = (f"the machine looks busy (load {busy:.1f} on {os.cpu_count()} CPUs) and {n} threads may "
                 f"oversubscribe it; timings will be slow and noisy (try --threads {max(1, n - round(busy))})")
     return n, note

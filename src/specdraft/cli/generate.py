@@ -51,12 +51,13 @@ def load_target(args, expected_tokens: int | None = None, progress: bool = True)
     from specdraft.models.compile import resolve_compile
     from specdraft.runtime import Runtime
 
-    threads, note = set_threads(args.threads)
-    if note and progress:
-        print(f"specdraft: note: {note}", file=sys.stderr)
+    _, note = set_threads(args.threads)
     compile_step = resolve_compile(args.compile, resolve_device(args.device), expected_tokens)
-    return Runtime.load(args.model, args.dtype, args.device, progress=progress, weights=args.weights,
-                        compile=compile_step)
+    rt = Runtime.load(args.model, args.dtype, args.device, progress=progress, weights=args.weights,
+                      compile=compile_step)
+    if note and progress:  # after loading: a bad --model stays a one-line error
+        print(f"specdraft: note: {note}", file=sys.stderr)
+    return rt
 
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:

@@ -63,11 +63,11 @@ def run(args) -> int:
     from specdraft.models.compile import resolve_compile
 
     _, note = set_threads(args.threads)
-    if note:
-        print(f"specdraft: note: {note}", file=sys.stderr)
     served = load_served(args.model, args.drafter, args.dtype, args.device, args.max_batch_size, args.max_context,
                          args.drafter_path, args.draft_tokens, args.weights,
                          resolve_compile(args.compile, resolve_device(args.device)))
+    if note:
+        print(f"specdraft: note: {note}", file=sys.stderr)
     print(f"specdraft: serving {served.name} (drafter {served.drafter}) on http://{args.host}:{args.port}/ "
           f"- playground at /, API at /v1", file=sys.stderr)
     uvicorn.run(create_app(lambda: served, args.max_queue, args.api_key), host=args.host, port=args.port,

@@ -309,9 +309,20 @@ def test_every_subcommand_refuses_bad_input_in_one_line(capsys, tmp_path) -> Non
                          ["eval-drafter", "--prompts", missing, "--temperatures", "nan"]],
         "init-drafter": [["init-drafter", "--out", missing, "--model", missing]],
         "serve": [["serve", "--port", "0"], ["serve", "--max-batch-size", "0"], ["serve", "--model", missing]],
+        "steps": [["steps", "--widths", "0"], ["steps", "--batch-sizes", "x"], ["steps", "--model", missing]],
     }
     assert set(cases) >= set(_subcommands()), "add bad-input cases for the new subcommand"
     for argvs in cases.values():
         for argv in argvs:
             _assert_one_line_usage_error(capsys, argv)
     _assert_one_line_usage_error(capsys, ["no-such-command"])
+
+
+def test_steps_prints_a_row_per_width_and_batch(model_dir: Path, capsys) -> None:
+    code = main(["steps", "--model", str(model_dir), "--dtype", "float32", "--device", "cpu", "--widths", "1,3",
+                 "--batch-sizes", "1,2", "--context", "8", "--repeats", "2"])
+    assert code == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [tuple(r.split("|")[1:3]) for r in rows] == [(" 1 ", " 1 "), (" 1 ", " 3 "), (" 2 ", " 1 "), (" 2 ", " 3 ")]
+    assert all(float(r.split("|")[4]) > 0 for r in rows)
+    assert float(rows[0].split("|")[4]) == 1.0  # width 1 is its own yardstick

@@ -1,0 +1,73 @@
+"""The cost of one target forward by query width and batch size: what decides K.
+
+A speculative round costs one verify forward of width K+1 (plus drafting); it pays when the
+tokens it emits outweigh that cost in plain steps. So the table that matters is the time of a
+width-w forward (w = 1..9) next to a width-1 step, per batch size, with the bytes a step reads
+and the bandwidth that implies against the machine's measured floor.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdraft.kv_cache import KVCache
+
+
+@dataclass
+class StepTime:
+    batch_size: int
+    width: int
+    ms: float  # median forward + LM head, per call
+    ratio: float  # ms / the same batch's width-1 ms
+
+
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: every weight and packed buffer except the input embedding table
+    (one row is gathered per token), whose bytes count again when the LM head is tied to it."""
+    tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    embed = model.embed_tokens.weight
+    total = sum(t.numel() * t.element_size() for i, t in tensors.items() if i != id(embed))
+    if getattr(model, "packed_head", None) is None and model.lm_head is None:
+        total += embed.numel() * embed.element_size()  # tied head reads the table in full
+    return total
+
+
+def _median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1000)
+    return sorted(times)[len(times) // 2]
+
+
+@torch.inference_mode()
+def step_times(model: torch.nn.Module, batch_sizes: list[int], widths: list[int], context: int = 512,
+               repeats: int = 15, progress=None) -> list[StepTime]:
+    """Median time of a forward of `width` tokens per row over `context` cached tokens, plus the
+    head over every row (greedy verification scores all of them), for each batch size."""
+    out = []
+    vocab = model.config.vocab_size
+    for b in batch_sizes:
+        cache: KVCache = model.new_cache(b, context + max(widths) + 1)
+        prompt = torch.randint(0, vocab, (b, context), generator=torch.Generator().manual_seed(0))
+        model(prompt.to(cache.device), cache)
+        base = None
+        for w in widths:
+            tokens = torch.randint(0, vocab, (b, w), generator=torch.Generator().manual_seed(w)).to(cache.device)
+
+            def forward() -> None:
+                cache.rollback([context] * b)
+                model.head_scores(model(tokens, cache)).argmax(-1)
+
+            for _ in range(3):  # warm-up (and any compilation) outside the timing
+                forward()
+            ms = _median_ms(forward, repeats)
+            base = ms if w == 1 else base
+            out.append(StepTime(b, w, ms, ms / base if base else 1.0))
+            if progress is not None:
+                progress(out[-1])
+    return out

@@ -1,0 +1,63 @@
+"""`specdraft steps`: the time of one target forward by query width and batch size."""
+
+from __future__ import annotations
+
+import sys
+
+from specdraft.cli.generate import add_model_args, load_target
+from specdraft.errors import SpecdraftError
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpecdraftError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SpecdraftError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "steps", help="time one target forward per query width and batch size (what a verify costs)",
+        description="Median time of one forward of W tokens per row (W = 1 is a plain decode step, W = K+1 a "
+                    "verification of K drafts) plus the LM head, over a cache of --context tokens, for each "
+                    "batch size; with the ratio to the width-1 step, the weight bytes a step reads and the "
+                    "bandwidth that implies against the machine's measured read bandwidth.")
+    add_model_args(p)
+    p.add_argument("--widths", default="1,2,3,4,5,6,7,8,9", help="query widths (default 1..9)")
+    p.add_argument("--batch-sizes", default="1,4,8", help="batch sizes (default 1,4,8)")
+    p.add_argument("--context", type=int, default=512, help="cached tokens per row (default 512)")
+    p.add_argument("--repeats", type=int, default=15, help="timed calls per cell; the median is shown (default 15)")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from specdraft.bench.runner import read_bandwidth_gbs
+    from specdraft.bench.steps import step_times, weight_bytes_per_step
+
+    widths, batches = _int_list(args.widths), _int_list(args.batch_sizes)
+    if 1 not in widths:
+        widths = [1] + widths  # the yardstick
+    if args.context < 1 or args.repeats < 1:
+        raise SpecdraftError("--context and --repeats must be >= 1")
+    rt = load_target(args, expected_tokens=None if args.compile == "on" else 0)
+    if args.context + max(widths) + 1 > rt.config.max_position_embeddings:
+        raise SpecdraftError(f"--context {args.context} exceeds the model's {rt.config.max_position_embeddings} positions")
+    gbs = read_bandwidth_gbs(rt.device)
+    nbytes = weight_bytes_per_step(rt.model)
+    floor_ms = nbytes / (gbs * 1e9) * 1000
+    print(f"{rt.name}: {rt.dtype_name}, weights {rt.weights}, compiled {rt.model.compiled_step is not None}, "
+          f"{nbytes / 1e6:.0f} MB read per step; measured read bandwidth {gbs:.1f} GB/s -> floor {floor_ms:.1f} ms/step")
+    print("| batch | width | ms/forward | x width 1 | ms per row-token | GB/s (weights) |")
+    print("|---|---|---|---|---|---|")
+
+    def show(s) -> None:
+        print(f"| {s.batch_size} | {s.width} | {s.ms:.1f} | {s.ratio:.2f} | {s.ms / (s.batch_size * s.width):.2f} | "
+              f"{nbytes / (s.ms / 1000) / 1e9:.1f} |", flush=True)
+
+    step_times(rt.model, batches, widths, args.context, args.repeats, progress=show)
+    if rt.model.compiled_step is not None:
+        print(f"(compile time, not in the table: {rt.model.compiled_step.compile_seconds:.0f} s)", file=sys.stderr)
+    return 0

@@ -42,6 +42,32 @@ def test_auto_uses_it_and_greedy_text_is_unchanged(runtime):
     assert accepted > 0.5 * sum(r.stats.target_forwards for r in fast)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", [1, 3])
+def test_default_configuration_is_exact_too(batch: int):
+    """What users run by default on a CPU (bfloat16, int8 weights), not just float32: every drafter
+    gives plain decoding's greedy tokens, one prompt at a time and batched."""
+    rt = default_runtime()
+    ids = [rt.tokenizer.encode(p) for p in PROMPTS + ["Repeat after me: one two three, one two three,"]]
+    plain = rt.engine().generate(ids, 40)
+    for kind in ("mtp+ngram", "mtp", "ngram"):
+        drafter, _, k = load_drafter(rt, kind, None, None)
+        for start in range(0, len(ids), batch):
+            got = rt.engine(drafter, k).generate(ids[start : start + batch], 40)
+            for a, b in zip(got, plain[start : start + batch]):
+                assert a.token_ids == b.token_ids, (kind, batch)
+
+
+_DEFAULT: list = []
+
+
+def default_runtime() -> Runtime:
+    if not _DEFAULT:
+        _DEFAULT.append(Runtime.load("gemma3-270m", "bfloat16", "cpu", progress=False))
+        assert _DEFAULT[0].weights == "int8"
+    return _DEFAULT[0]
+
+
 def test_auto_at_large_cpu_batches_uses_lookup_alone(monkeypatch):
     # The batch sweep in BENCHMARKS.md: from batch 4 on this CPU, prompt lookup alone is faster.
     # A stub target and MTP loader: only the choice is under test, not the weights.

@@ -64,7 +64,7 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="auto", choices=DRAFTER_KINDS,
                    help="auto: mtp+ngram with the drafter shipped for this model if there is one (ngram alone "
                         "for batches of 4 or more on CPU, where it measured faster), else none; "
-                        "mtp: a Gemma-4-style MTP drafter from --drafter-path; ngram: prompt lookup "
+                        "mtp: a Gemma-4-style MTP drafter from --drafter-path (default: the one shipped for the model); ngram: prompt lookup "
                         "(no weights); mtp+ngram: prompt lookup (up to 8 tokens) where the last 2-3 tokens "
                         "occurred before, the MTP drafter elsewhere; draft-model: a small model sharing the "
                         "tokenizer, from --drafter-path; none: plain decoding")

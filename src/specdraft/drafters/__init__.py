@@ -59,8 +59,12 @@ def load_drafter(rt, kind: str, path: str | None, draft_tokens: int | None, batc
         from specdraft.drafters.mtp import load_mtp_drafter
         from specdraft.drafters.mtp_lookup import MTPWithLookup
 
-        if path is None:
-            raise SpecdraftError(f"--drafter {kind} needs --drafter-path (a drafter folder)")
+        if path is None:  # the drafter shipped for this model, if one is
+            shipped = shipped_drafter_path(rt.name)
+            if shipped is None:
+                raise SpecdraftError(f"--drafter {kind}: no drafter ships for {rt.name}; give --drafter-path "
+                                     "(a drafter folder, see `specdraft train-drafter`)")
+            path = str(shipped)
         drafter = load_mtp_drafter(Path(path), rt.model, rt.dtype, rt.device)
         k = draft_tokens or drafter.recommended_k or DEFAULT_K
         return (MTPWithLookup(drafter) if kind == "mtp+ngram" else drafter), kind, k

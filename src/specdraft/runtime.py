@@ -58,6 +58,13 @@ class Runtime:
         return cls(name_or_path, folder, model, cfg, Tokenizer(folder, eos), dev, dt, notes, fmt)
 
     @property
+    def verify_width_budget(self) -> int | None:
+        """The widest verification that costs about one row block: the packed int8/int4 kernels
+        stream the weights once per 4 rows, so on this CPU widths 2-4 cost 1.2-1.4x a plain step
+        and width 5 twice it (`specdraft steps`, BENCHMARKS.md). None: no such step in cost."""
+        return 4 if self.weights in ("int8", "int4") else None
+
+    @property
     def dtype_name(self) -> str:
         return dtype_name(self.dtype)
 

@@ -54,10 +54,11 @@ def load_drafter(rt, kind: str, path: str | None, draft_tokens: int | None, batc
     if kind == "ngram":
         from specdraft.drafters.ngram import NgramDrafter
 
-        return NgramDrafter(), kind, draft_tokens or DEFAULT_K
+        budget = getattr(rt, "verify_width_budget", None)
+        return NgramDrafter(), kind, draft_tokens or (min(DEFAULT_K, budget - 1) if budget else DEFAULT_K)
     if kind in ("mtp", "mtp+ngram"):
         from specdraft.drafters.mtp import load_mtp_drafter
-        from specdraft.drafters.mtp_lookup import MTPWithLookup
+        from specdraft.drafters.mtp_lookup import LOOKUP_TOKENS, MTPWithLookup
 
         if path is None:  # the drafter shipped for this model, if one is
             shipped = shipped_drafter_path(rt.name)
@@ -67,7 +68,12 @@ def load_drafter(rt, kind: str, path: str | None, draft_tokens: int | None, batc
             path = str(shipped)
         drafter = load_mtp_drafter(Path(path), rt.model, rt.dtype, rt.device)
         k = draft_tokens or drafter.recommended_k or DEFAULT_K
-        return (MTPWithLookup(drafter) if kind == "mtp+ngram" else drafter), kind, k
+        if kind == "mtp":
+            return drafter, kind, k
+        # Lookups propose up to 8 tokens, fewer where a wider verify costs another pass over the weights.
+        budget = getattr(rt, "verify_width_budget", None)
+        lookup = min(LOOKUP_TOKENS, max(k, budget - 1)) if budget else LOOKUP_TOKENS
+        return MTPWithLookup(drafter, lookup_tokens=lookup), kind, k
     if kind == "draft-model":
         from specdraft.drafters.draft_model import DraftModelDrafter
 

@@ -8,7 +8,8 @@ from pathlib import Path
 from specdraft.errors import SpecdraftError
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """argparse type: '1,4,8' -> [1, 4, 8] (positive, sorted, unique)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -68,7 +69,7 @@ prompt format: the model's chat template when it has one, else the plain templat
                         "the MTP drafter's recommended K, 4 for the others)")
     p.add_argument("--gguf", default=None,
                    help="GGUF file for llama-cpp when --model is a HF folder (default: the preset's GGUF)")
-    p.add_argument("--batch-sizes", type=_int_list, default=[1], help="comma-separated, e.g. 1,4,8 (default 1)")
+    p.add_argument("--batch-sizes", type=int_list, default=[1], help="comma-separated, e.g. 1,4,8 (default 1)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default; identical-output rate is only meaningful then)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0 (default 0)")

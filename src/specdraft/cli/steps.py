@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from specdraft.cli.bench import int_list
 from specdraft.cli.generate import add_model_args, load_target
 from specdraft.errors import SpecdraftError
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise SpecdraftError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise SpecdraftError(f"expected positive integers, got {text!r}")
-    return values
 
 
 def register(sub) -> None:
@@ -26,8 +17,8 @@ def register(sub) -> None:
                     "batch size; with the ratio to the width-1 step, the weight bytes a step reads and the "
                     "bandwidth that implies against the machine's measured read bandwidth.")
     add_model_args(p)
-    p.add_argument("--widths", default="1,2,3,4,5,6,7,8,9", help="query widths (default 1..9)")
-    p.add_argument("--batch-sizes", default="1,4,8", help="batch sizes (default 1,4,8)")
+    p.add_argument("--widths", type=int_list, default=list(range(1, 10)), help="query widths (default 1..9)")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 4, 8], help="batch sizes (default 1,4,8)")
     p.add_argument("--context", type=int, default=512, help="cached tokens per row (default 512)")
     p.add_argument("--repeats", type=int, default=15, help="timed calls per cell; the median is shown (default 15)")
     p.set_defaults(run=run)
@@ -37,7 +28,7 @@ def run(args) -> int:
     from specdraft.bench.runner import read_bandwidth_gbs
     from specdraft.bench.steps import step_times, weight_bytes_per_step
 
-    widths, batches = _int_list(args.widths), _int_list(args.batch_sizes)
+    widths, batches = args.widths, args.batch_sizes
     if 1 not in widths:
         widths = [1] + widths  # the yardstick
     if args.context < 1 or args.repeats < 1:

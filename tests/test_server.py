@@ -313,7 +313,7 @@ def test_real_model_smoke(real_runtime) -> None:
     from specdraft.drafters import load_drafter
 
     rt = real_runtime
-    drafter, kind, k = load_drafter(rt, "auto", None, None, 1)
+    drafter, kind, k = load_drafter(rt, "auto", None, None)
     engine = Engine(rt.model, rt.tokenizer, drafter, k, max_batch_size=2, capacity=256)
     prompt = "def fibonacci(n):"
     want = Engine(rt.model, rt.tokenizer).generate([rt.tokenizer.encode(prompt)], 24)[0]

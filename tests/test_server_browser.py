@@ -48,7 +48,7 @@ def test_playground_streams_tokens_coloured_by_source(real_runtime, tmp_path) ->
     from specdraft.speculative.engine import Engine
 
     rt = real_runtime
-    drafter, kind, k = load_drafter(rt, "auto", None, None, 1)
+    drafter, kind, k = load_drafter(rt, "auto", None, None)
     assert kind == "mtp+ngram"
     want = Engine(rt.model, rt.tokenizer).generate([rt.tokenizer.encode(PROMPT)], MAX_TOKENS)[0]
     engine = Engine(rt.model, rt.tokenizer, drafter, k, max_batch_size=2, capacity=512)

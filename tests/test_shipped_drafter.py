@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from specdraft.drafters import CPU_LOOKUP_ONLY_BATCH, load_drafter, shipped_drafter_path
+from specdraft.drafters import load_drafter, shipped_drafter_path
 from specdraft.runtime import Runtime
 
 PROMPTS = [
@@ -68,14 +68,23 @@ def default_runtime() -> Runtime:
     return _DEFAULT[0]
 
 
-def test_auto_at_large_cpu_batches_uses_lookup_alone(monkeypatch):
-    # The batch sweep in BENCHMARKS.md: from batch 4 on this CPU, prompt lookup alone is faster.
-    # A stub target and MTP loader: only the choice is under test, not the weights.
-    import specdraft.drafters.mtp as mtp
+def test_full_cpu_batches_run_plain_rounds(gemma_tiny):
+    """Runtime.speculate_below: from that many decoding rows a round verifies no drafts (a wide
+    verify for many rows costs more than it returns on a CPU); fewer rows draft again."""
+    from conftest import prompts_of
+    from specdraft.drafters.ngram import NgramDrafter
+    from specdraft.runtime import CPU_SPECULATE_BELOW
+    from specdraft.speculative.engine import Engine
 
-    monkeypatch.setattr(mtp, "load_mtp_drafter", lambda path, *args: SimpleNamespace(recommended_k=3))
-    stub = SimpleNamespace(name="gemma3-270m", device=torch.device("cpu"), model=None, dtype=torch.float32)
-    _, kind, k = load_drafter(stub, "auto", None, None, batch_size=CPU_LOOKUP_ONLY_BATCH - 1)
-    assert kind == "mtp+ngram" and k == 3
-    _, kind, k = load_drafter(stub, "auto", None, None, batch_size=CPU_LOOKUP_ONLY_BATCH)
-    assert kind == "ngram" and k == 4
+    model = gemma_tiny.ours
+    prompts = [p + p for p in prompts_of([6] * CPU_SPECULATE_BELOW, gemma_tiny.cfg.vocab_size, seed=4)]
+    engine = Engine(model, drafter=NgramDrafter(), draft_tokens=3, speculate_below=CPU_SPECULATE_BELOW)
+    full = engine.generate(prompts, 12, eos_token_ids=[])
+    assert all(r.stats.drafted == 0 for r in full)
+    alone = engine.generate(prompts[:1], 12, eos_token_ids=[])
+    assert alone[0].stats.drafted > 0
+    assert alone[0].token_ids == full[0].token_ids
+    stub = SimpleNamespace(device=torch.device("cpu"))
+    from specdraft.runtime import Runtime
+
+    assert Runtime.speculate_below.fget(stub) == CPU_SPECULATE_BELOW

@@ -19,10 +19,9 @@ import torch
 from specdraft.bench import ALL_METHODS, DEFAULT_METHODS, PEER_METHODS, SPECDRAFT_METHODS, memory, metrics, peers
 from specdraft.bench.methods import BenchContext, Method, Skip, build_specdraft
 from specdraft.bench.questions import PLAIN_TEMPLATE, Question, encode, prompt_style, read_questions, select
-from specdraft.device import resolve_device, set_threads
+from specdraft.device import set_threads
 from specdraft.errors import SpecdraftError
 from specdraft.loading.presets import DEFAULT_MODEL
-from specdraft.models.compile import resolve_compile
 from specdraft.sampling import SamplingParams
 
 REFERENCE = "plain"
@@ -49,7 +48,7 @@ class BenchConfig:
     device: str = "auto"
     threads: int | None = None  # CPU threads for torch and llama.cpp alike; None = the physical cores
     weights: str = "auto"  # device.resolve_weights
-    compile: str = "auto"  # models.compile.resolve_compile
+    compile: bool = False  # models/compile.py
     out: Path = Path("bench-out")
     warmup: bool = True
     progress: bool = True
@@ -273,13 +272,11 @@ def run_bench(cfg: BenchConfig) -> dict:
     names = list(dict.fromkeys([REFERENCE] + list(cfg.methods)))  # plain is the yardstick: always run
     sampling = SamplingParams(cfg.temperature, 0, 1.0, cfg.seed)
     set_threads(cfg.threads)  # llama.cpp reads the same number (peers.py)
-    expected = len(questions) * cfg.max_new_tokens * len(names) * len(cfg.batch_sizes) * cfg.repeats
-    compile_step = resolve_compile(cfg.compile, resolve_device(cfg.device), expected)
 
     rss0 = memory.rss_bytes()
     rt = Runtime.load(cfg.model, cfg.dtype, cfg.device, progress=cfg.progress, weights=cfg.weights,
-                      compile=compile_step)
-    if compile_step:
+                      compile=cfg.compile)
+    if cfg.compile:
         rt.model.compiled_step.warm_up(max(cfg.batch_sizes))  # compile time stays out of every timer
     target_load = max(0, memory.rss_bytes() - rss0)
     style = prompt_style(rt.tokenizer)

@@ -37,24 +37,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: $SPECDRAFT_THREADS, else the physical cores); more threads than free cores makes "
                         "decoding stall")
-    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                   help="compile the decode/verify step with torch.compile: faster steps for a one-time cost "
-                        "(tens of seconds on a small CPU, less once cached); auto = on for long jobs "
-                        "(servers, benchmarks, >= 4096 tokens), off for short generations")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decode/verify step with torch.compile (Inductor): fewer, fused kernels for a "
+                        "one-time cost of minutes on a small CPU (cached between runs); on a 2-core CPU with "
+                        "int8 weights it measured only ~7%% faster, so it is off by default")
 
 
-def load_target(args, expected_tokens: int | None = None, progress: bool = True):
-    """The Runtime the --model/--dtype/--device/--weights/--threads/--compile flags describe.
-
-    expected_tokens: how many tokens the job will decode (None: long-running), for --compile auto."""
-    from specdraft.device import resolve_device, set_threads
-    from specdraft.models.compile import resolve_compile
+def load_target(args, progress: bool = True):
+    """The Runtime the --model/--dtype/--device/--weights/--threads/--compile flags describe."""
+    from specdraft.device import set_threads
     from specdraft.runtime import Runtime
 
     _, note = set_threads(args.threads)
-    compile_step = resolve_compile(args.compile, resolve_device(args.device), expected_tokens)
     rt = Runtime.load(args.model, args.dtype, args.device, progress=progress, weights=args.weights,
-                      compile=compile_step)
+                      compile=args.compile)
     if note and progress:  # after loading: a bad --model stays a one-line error
         print(f"specdraft: note: {note}", file=sys.stderr)
     return rt
@@ -62,10 +58,12 @@ def load_target(args, expected_tokens: int | None = None, progress: bool = True)
 
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="auto", choices=DRAFTER_KINDS,
-                   help="auto: mtp+ngram with the drafter shipped for this model if there is one (ngram alone "
-                        "for batches of 4 or more on CPU, where it measured faster), else none; "
-                        "mtp: a Gemma-4-style MTP drafter from --drafter-path (default: the one shipped for the model); ngram: prompt lookup "
-                        "(no weights); mtp+ngram: prompt lookup (up to 8 tokens) where the last 2-3 tokens "
+                   help="auto: mtp+ngram with the drafter shipped for this model if there is one, else none "
+                        "(on a CPU, rounds with 4 or more decoding rows run plain: verifying drafts for that many "
+                        "rows costs more than it returns there); "
+                        "mtp: a Gemma-4-style MTP drafter from --drafter-path (default: the one shipped for the "
+                        "model); ngram: prompt lookup (no weights); mtp+ngram: prompt lookup (up to 8 tokens, 3 "
+                        "with packed weights) where the last 2-3 tokens "
                         "occurred before, the MTP drafter elsewhere; draft-model: a small model sharing the "
                         "tokenizer, from --drafter-path; none: plain decoding")
     p.add_argument("--drafter-path", default=None,
@@ -144,9 +142,8 @@ def run(args) -> int:
         raise SpecdraftError("--stop needs a non-empty string (an empty one would stop at once)")
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     prompts = collect_prompts(args)
-    rt = load_target(args, expected_tokens=len(prompts) * args.max_new_tokens)
-    drafter, kind, k = load_drafter(rt, args.drafter, args.drafter_path, args.draft_tokens,
-                                    min(args.batch_size, len(prompts)), load_runtime=Runtime.load)
+    rt = load_target(args)
+    drafter, kind, k = load_drafter(rt, args.drafter, args.drafter_path, args.draft_tokens, load_runtime=Runtime.load)
     for note in ignored_flags(args, kind):
         print(f"specdraft: note: {note}", file=sys.stderr)
     engine = rt.engine(drafter, k)

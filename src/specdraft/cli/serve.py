@@ -59,13 +59,12 @@ def run(args) -> int:
     except ImportError as e:
         raise SpecdraftError(f"specdraft serve needs the serve extra ({e.name} is missing): "
                              "pip install 'specdraft[serve]'") from None
-    from specdraft.device import resolve_device, set_threads
-    from specdraft.models.compile import resolve_compile
+    from specdraft.device import set_threads
 
     _, note = set_threads(args.threads)
     served = load_served(args.model, args.drafter, args.dtype, args.device, args.max_batch_size, args.max_context,
                          args.drafter_path, args.draft_tokens, args.weights,
-                         resolve_compile(args.compile, resolve_device(args.device)))
+                         args.compile)
     if note:
         print(f"specdraft: note: {note}", file=sys.stderr)
     print(f"specdraft: serving {served.name} (drafter {served.drafter}) on http://{args.host}:{args.port}/ "

@@ -33,7 +33,7 @@ def run(args) -> int:
         widths = [1] + widths  # the yardstick
     if args.context < 1 or args.repeats < 1:
         raise SpecdraftError("--context and --repeats must be >= 1")
-    rt = load_target(args, expected_tokens=None if args.compile == "on" else 0)
+    rt = load_target(args)
     if args.context + max(widths) + 1 > rt.config.max_position_embeddings:
         raise SpecdraftError(f"--context {args.context} exceeds the model's {rt.config.max_position_embeddings} positions")
     gbs = read_bandwidth_gbs(rt.device)

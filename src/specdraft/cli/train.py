@@ -119,7 +119,7 @@ def _drafter_config(rt, args, recommended_k: int | None):
 def run_init(args) -> int:
     from specdraft.drafters.mtp import init_network, save_network
 
-    rt = load_target(args, expected_tokens=0)
+    rt = load_target(args)
     net = init_network(_drafter_config(rt, args, None), rt.model, seed=args.seed)
     if net.masked_embedding is not None:
         from specdraft.training.clustering import balanced_clusters
@@ -144,7 +144,7 @@ def run_train(args) -> int:
             raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
     distributed = init_distributed()
     started = time.time()
-    rt = load_target(args, expected_tokens=0)
+    rt = load_target(args)
     prompts = load_prompt_set(args.prompts, args.exclude_eval, held_out_fraction=0.05, limit=args.num_prompts)
     held = prompts.held_out[: args.held_out]
     print(f"prompts: {len(prompts.train)} train, {len(held)} held out, {len(prompts.refused)} refused as "
@@ -207,7 +207,7 @@ def run_eval(args) -> int:
         raise SpecdraftError(f"--temperatures expects numbers like 0,1; got {args.temperatures!r}") from None
     for t in temps:
         SamplingParams(t)  # refuses NaN, infinities and negatives before the model loads
-    rt = load_target(args, expected_tokens=0)
+    rt = load_target(args)
     path = args.drafter_path or shipped_drafter_path(rt.name)
     if path is None:
         raise SpecdraftError(f"no drafter ships for {rt.name!r}: give --drafter-path")

@@ -16,10 +16,6 @@ from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.errors import SpecdraftError
 
 DEFAULT_K = 4
-# Measured on the project's 2-core CPU (BENCHMARKS.md, batch sweep): from batch 4 up a batch of
-# (K+1)-token verifies is compute-bound there, the MTP drafter's steps cost more than they save,
-# and prompt lookup alone (no drafter forward, a plain step when nothing matches) stays ahead.
-CPU_LOOKUP_ONLY_BATCH = 4
 
 
 def shipped_drafter_path(model_name: str) -> Path | None:
@@ -33,10 +29,11 @@ def shipped_drafter_path(model_name: str) -> Path | None:
     return path if (path / "config.json").exists() else None
 
 
-def load_drafter(rt, kind: str, path: str | None, draft_tokens: int | None, batch_size: int = 1,
+def load_drafter(rt, kind: str, path: str | None, draft_tokens: int | None,
                  load_runtime: Callable[[str, str, str], Any] | None = None) -> tuple[Drafter | None, str, int]:
     """Resolve --drafter/--drafter-path/--draft-tokens into (drafter, kind actually used, K).
-    `auto` also looks at the batch size the drafter will serve. `load_runtime(name, dtype,
+    `auto` is mtp+ngram with the drafter shipped for the model (none if none ships); how
+    many rows may draft at once is the engine's policy (Runtime.speculate_below). `load_runtime(name, dtype,
     device)` loads a draft model (`Runtime.load`); drafters sit below the runtime and are
     handed the loader rather than importing it."""
     if draft_tokens is not None and draft_tokens < 1:
@@ -45,10 +42,7 @@ def load_drafter(rt, kind: str, path: str | None, draft_tokens: int | None, batc
         shipped = shipped_drafter_path(rt.name)
         if shipped is None:
             return None, "none", 0
-        if rt.device.type == "cpu" and batch_size >= CPU_LOOKUP_ONLY_BATCH:
-            kind = "ngram"
-        else:
-            kind, path = "mtp+ngram", str(shipped)
+        kind, path = "mtp+ngram", str(shipped)
     if kind == "none":
         return None, "none", 0
     if kind == "ngram":

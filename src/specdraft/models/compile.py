@@ -10,8 +10,10 @@ index (`IndexedWrites`), so nothing it guards on changes from one step to the ne
 specialises sizes 0 and 1, so width 1 (plain decoding) and batch 1 get graphs of their own:
 at most four graphs per process. Prompts (wider forwards) stay eager.
 
-Compilation costs tens of seconds on a small CPU the first time; Inductor's on-disk cache
-(under $TORCHINDUCTOR_CACHE_DIR, default /tmp/torchinductor_$USER) makes later processes faster.
+Compilation costs tens of seconds per graph on a small CPU (213 s for all four graphs of Gemma 3
+270M on 2 cores); Inductor's on-disk cache (under $TORCHINDUCTOR_CACHE_DIR, default
+/tmp/torchinductor_$USER) makes later processes faster. With int8 weights the packed matmuls
+dominate a CPU step, so compiling gains only ~7% there (BENCHMARKS.md): it is opt-in (--compile).
 """
 
 from __future__ import annotations
@@ -23,9 +25,6 @@ import torch
 import torch._dynamo
 
 from specdraft.kv_cache import SHORT_FORWARD, IndexedWrites, KVCache, attention_span
-
-COMPILE_CHOICES = ("auto", "on", "off")
-
 
 class CompiledStep:
     """Calls `model.run_layers` through one torch.compile'd function for short forwards."""
@@ -78,18 +77,3 @@ def compile_steps(model: torch.nn.Module, announce: bool = True) -> CompiledStep
     compiled step; wider forwards (prompts) stay eager."""
     model.compiled_step = CompiledStep(model, announce=announce)
     return model.compiled_step
-
-
-def resolve_compile(choice: str, device: torch.device, expected_tokens: int | None = None) -> bool:
-    """auto: compile where the process will decode enough tokens to earn the compile time back
-    (servers, benchmarks, long generations); a short one-off generation stays eager."""
-    if choice not in COMPILE_CHOICES:
-        raise ValueError(f"unknown compile choice {choice!r}")
-    if choice != "auto":
-        return choice == "on"
-    return expected_tokens is None or expected_tokens >= AUTO_COMPILE_MIN_TOKENS
-
-
-# Compiling costs ~20-90 s on a 2-core CPU and saves ~10-20 ms per step: it pays from a few
-# thousand tokens on (measured, BENCHMARKS.md).
-AUTO_COMPILE_MIN_TOKENS = 4096

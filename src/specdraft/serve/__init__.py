@@ -24,8 +24,9 @@ def load_served(model: str, drafter: str, dtype: str, device: str, max_batch_siz
     rt = Runtime.load(model, dtype, device, weights=weights, compile=compile)
     if compile:
         rt.model.compiled_step.warm_up(max_batch_size)
-    found, kind, k = load_drafter(rt, drafter, drafter_path, draft_tokens, max_batch_size, load_runtime=Runtime.load)
-    engine = Engine(rt.model, rt.tokenizer, found, k, max_batch_size=max_batch_size, capacity=max_context)
+    found, kind, k = load_drafter(rt, drafter, drafter_path, draft_tokens, load_runtime=Runtime.load)
+    engine = Engine(rt.model, rt.tokenizer, found, k, max_batch_size=max_batch_size, capacity=max_context,
+                    speculate_below=rt.speculate_below)
     return ServedModel(model, engine, rt.tokenizer, kind, k if found is not None else 0)
 
 

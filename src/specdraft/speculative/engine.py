@@ -55,9 +55,12 @@ class _Row:
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None = None,
                  drafter: Drafter | None = None, draft_tokens: int = 4, max_batch_size: int = 8,
-                 capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK):
+                 capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, speculate_below: int | None = None):
         """`capacity`: positions per row (prompt + new tokens + a round of drafts) for requests
-        added with `add`; default the model's context. `generate` sizes its own batch."""
+        added with `add`; default the model's context. `generate` sizes its own batch.
+        `speculate_below`: draft only while fewer rows than this decode; a fuller batch runs plain
+        rounds (on a CPU, verifying K+1 tokens for many rows costs more than it saves; see
+        Runtime.speculate_below). None: always draft."""
         if drafter is not None and not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpecdraftError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {draft_tokens}")
         self.model = model
@@ -68,6 +71,7 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.serve_capacity = min(capacity or self.max_context(), self.max_context())
         self.prefill_chunk = prefill_chunk
+        self.speculate_below = speculate_below
         self.timer = Timer(self.device)
         self.waiting: deque[_Row] = deque()
         self.slots: list[_Row] = []  # slots[:n_dec] decode, the rest prefill
@@ -350,7 +354,7 @@ class Engine:
 
     def _draft(self, inp: DraftInput, rows: list[_Row]) -> Draft:
         n = inp.last_token.shape[0]
-        if self.drafter is None:
+        if self.drafter is None or (self.speculate_below is not None and n >= self.speculate_below):
             return Draft(inp.last_token.new_zeros(n, 0), inp.last_token.new_zeros(n))
         # Drafts are sampled from the drafter's distribution only when the whole round shares one
         # random stream (generate()); otherwise argmax drafts, verified as a point-mass Q.

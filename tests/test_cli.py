@@ -310,6 +310,7 @@ def test_every_subcommand_refuses_bad_input_in_one_line(capsys, tmp_path) -> Non
         "init-drafter": [["init-drafter", "--out", missing, "--model", missing]],
         "serve": [["serve", "--port", "0"], ["serve", "--max-batch-size", "0"], ["serve", "--model", missing]],
         "steps": [["steps", "--widths", "0"], ["steps", "--batch-sizes", "x"], ["steps", "--model", missing]],
+        "weights": [["weights"], ["weights", "--texts", missing], ["weights", "--texts", missing, "--formats", "fp8"]],
     }
     assert set(cases) >= set(_subcommands()), "add bad-input cases for the new subcommand"
     for argvs in cases.values():
@@ -326,3 +327,17 @@ def test_steps_prints_a_row_per_width_and_batch(model_dir: Path, capsys) -> None
     assert [tuple(r.split("|")[1:3]) for r in rows] == [(" 1 ", " 1 "), (" 1 ", " 3 "), (" 2 ", " 1 "), (" 2 ", " 3 ")]
     assert all(float(r.split("|")[4]) > 0 for r in rows)
     assert float(rows[0].split("|")[4]) == 1.0  # width 1 is its own yardstick
+
+
+def test_weights_reports_each_format_against_unquantised(model_dir: Path, tmp_path: Path, capsys) -> None:
+    texts = tmp_path / "texts.txt"
+    texts.write_text("w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12\nw5 w9 w2 w7 w7 w3 w11 w4\n")
+    code = main(["weights", "--model", str(model_dir), "--dtype", "bfloat16", "--device", "cpu", "--texts", str(texts),
+                 "--prompts", str(texts), "--max-new-tokens", "4", "--json"])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["weights"] for r in rows] == ["int8", "int4"]
+    for r in rows:
+        assert r["tokens"] == 13 + 9 and r["prompts"] == 2  # every position of both texts, BOS included and 0 <= r["greedy_identical"] <= 1
+        assert 0 <= r["kl_mean"] < 1 and 0 < r["top1_agreement"] <= 1
+    assert rows[0]["kl_mean"] < rows[1]["kl_mean"]  # int8 is closer to the reference than int4

@@ -12,11 +12,12 @@ from specdraft.errors import SpecdraftError
 
 DRAFTER_KINDS = ("auto", "none", "mtp", "mtp+ngram", "ngram", "draft-model")
 # What holds today (README, "Exactness", says the same): rewrite both once bf16 verify is exact.
-EXACTNESS = ("In float32, greedy text is identical with and without a drafter, token for token. In bfloat16 "
-             "(the default on CUDA and on CPUs with AMX or AVX512-BF16) a multi-token verify pass rounds "
-             "differently from a one-token step, so at a near-tie greedy text can part from plain decoding "
-             "(about 1 prompt in 3 on Spec-Bench with gemma3-270m, 64 tokens); use --dtype float32 where "
-             "identical text matters. Sampled text follows the target's distribution.")
+EXACTNESS = ("Greedy text is identical with and without a drafter, token for token, in float32 and in the "
+             "default CPU configuration (bfloat16 with int8 weights, whose kernels compute each row the same "
+             "way at any width). With --weights dtype in bfloat16, or on CUDA, a multi-token verify pass can "
+             "round differently from a one-token step, so at a near-tie greedy text can part from plain "
+             "decoding (about 1 prompt in 3 on Spec-Bench with bf16 weights). Sampled text follows the "
+             "target's distribution.")
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

@@ -61,7 +61,7 @@ def step_times(model: torch.nn.Module, batch_sizes: list[int], widths: list[int]
 
             def forward() -> None:
                 cache.rollback([context] * b)
-                model.head_scores(model(tokens, cache)).argmax(-1)
+                model.head_scores(model(tokens, cache)).float().argmax(-1)  # as greedy verification reads it
 
             for _ in range(3):  # warm-up (and any compilation) outside the timing
                 forward()

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from conftest import TinyModel, build_hf, load_ours, save_hf
-from specdraft.drafters.base import Draft, Drafter
+from specdraft.drafters.base import Draft, Drafter, SparseProbs
 from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
 from specdraft.drafters.mtp_lookup import MTPWithLookup
 from specdraft.drafters.ngram import NgramDrafter
@@ -172,7 +172,7 @@ class WrongQDrafter(Drafter):
 
     def propose(self, inp, k, sampling, generator):
         d = self.inner.propose(inp, k, sampling, generator)
-        q = d.probs**2
+        q = d.probs.dense() ** 2
         return Draft(d.tokens, d.num_valid, q / q.sum(-1, keepdim=True))
 
 
@@ -243,10 +243,15 @@ def test_clustered_q_really_excludes_tokens(target, drafters) -> None:
         inp = DraftInput(torch.tensor([3, 4, 5, 6]), hidden, torch.full((4,), len(PROMPT) - 1), engine_cache,
                          tokens, torch.ones(4, dtype=torch.bool))
         d = drafters["mtp"].propose(inp, 2, T1, torch.Generator().manual_seed(0))
-    support = (d.probs > 0).sum(-1)
+    assert isinstance(d.probs, SparseProbs)  # no [B, K, V] tensor per draft step
+    q = d.probs.dense()
+    support = (q > 0).sum(-1)
     assert (support == 8).all()
-    assert torch.allclose(d.probs.sum(-1), torch.ones(4, 2))
-    assert (d.probs.gather(2, d.tokens[:, :, None]) > 0).all()
+    assert torch.allclose(q.sum(-1), torch.ones(4, 2))
+    assert (q.gather(2, d.tokens[:, :, None]) > 0).all()
+    assert torch.equal(d.probs.at(d.tokens), q.gather(2, d.tokens[:, :, None]).squeeze(2))
+    rows, pos = torch.arange(4), torch.tensor([0, 1, 1, 0])
+    assert torch.equal(d.probs.row(rows, pos), q[rows, pos])
 
 
 def test_negative_control_wrong_q_is_detected(target, drafters) -> None:

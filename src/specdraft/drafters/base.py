@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from specdraft.kv_cache import KVCache
 from specdraft.sampling import SamplingParams
@@ -33,10 +34,53 @@ class DraftInput:
 
 
 @dataclass
+class SparseProbs:
+    """Distributions kept as their support: ids, probs [B, K, M] with M << V (a clustered MTP head
+    samples among M candidate tokens). Verification needs Q at the drafted token of every
+    position and Q in full at one rejected position per row: never K x V tensors."""
+
+    ids: torch.Tensor  # [B, K, M] token ids (entries with prob 0 are padding)
+    probs: torch.Tensor  # [B, K, M]
+    vocab: int
+
+    def __getitem__(self, key) -> "SparseProbs":
+        return SparseProbs(self.ids[key], self.probs[key], self.vocab)
+
+    def at(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Q of tokens [B, K] at their own positions -> [B, K]."""
+        return ((self.ids == tokens[..., None]) * self.probs).sum(-1)
+
+    def row(self, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Q in full at position pos[b] of row rows[b] -> [B, V]."""
+        out = torch.zeros(rows.shape[0], self.vocab, dtype=self.probs.dtype, device=self.probs.device)
+        return out.scatter_add_(1, self.ids[rows, pos], self.probs[rows, pos])
+
+    def dense(self) -> torch.Tensor:
+        """[B, K, V] (for tests and small vocabularies)."""
+        b, k, _ = self.ids.shape
+        out = torch.zeros(b, k, self.vocab, dtype=self.probs.dtype, device=self.probs.device)
+        return out.scatter_add_(2, self.ids, self.probs)
+
+    def padded(self, width: int) -> "SparseProbs":
+        """K -> width positions; the new ones are empty (never read: their drafts are filler)."""
+        extra = width - self.ids.shape[1]
+        return SparseProbs(F.pad(self.ids, (0, 0, 0, extra)), F.pad(self.probs, (0, 0, 0, extra)), self.vocab)
+
+    def point_masses(self, rows: torch.Tensor, tokens: torch.Tensor) -> "SparseProbs":
+        """Rows `rows` [B] bool get a point mass on their tokens [B, K] (drafts that were not sampled)."""
+        ids = torch.where(rows[:, None, None], 0, self.ids)
+        probs = torch.where(rows[:, None, None], 0.0, self.probs)
+        ids[..., 0] = torch.where(rows[:, None], tokens, ids[..., 0])
+        probs[..., 0] = torch.where(rows[:, None], 1.0, probs[..., 0])
+        return SparseProbs(ids, probs.to(self.probs.dtype), self.vocab)
+
+
+@dataclass
 class Draft:
     tokens: torch.Tensor  # [B, K']
     num_valid: torch.Tensor  # [B]: drafts past this per row are filler, never accepted
-    probs: torch.Tensor | None = None  # [B, K', V]: the distribution each draft was sampled from
+    # The distribution each draft was sampled from: [B, K', V], or its support (SparseProbs).
+    probs: torch.Tensor | SparseProbs | None = None
     # [B] bool, for drafters that mix sources (mtp+ngram): rows whose drafts came from prompt
     # lookup. None: every row's drafts came from the drafter's own kind.
     lookup: torch.Tensor | None = None

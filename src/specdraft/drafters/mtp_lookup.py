@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from specdraft.drafters.base import Draft, Drafter, DraftInput
+from specdraft.drafters.base import Draft, Drafter, DraftInput, SparseProbs
 from specdraft.drafters.lookup_index import LookupIndex
 from specdraft.drafters.mtp.drafter import MTPDrafter
 from specdraft.drafters.ngram import prompt_lookup
@@ -74,10 +74,13 @@ class MTPWithLookup(Drafter):
         looked = F.pad(found.drafts, (0, max(0, width - self.lookup_tokens)))[:, :width]
         tokens = torch.where(looked_up[:, None], looked, F.pad(mtp.tokens, (0, width - k)))
         num_valid = torch.where(looked_up, found.num_valid, mtp.num_valid)
-        probs = None
-        if mtp.probs is not None:
-            probs = F.pad(mtp.probs, (0, 0, 0, width - k))
+        probs = mtp.probs
+        if isinstance(probs, SparseProbs):
+            probs = probs.padded(width)
+            if n_lookup:  # looked-up drafts were not sampled: their Q is a point mass on the token
+                probs = probs.point_masses(looked_up, tokens)
+        elif probs is not None:
+            probs = F.pad(probs, (0, 0, 0, width - k))
             if n_lookup:
-                # Looked-up drafts were not sampled: their Q is a point mass on the token.
                 probs[looked_up] = F.one_hot(tokens[looked_up], probs.shape[-1]).to(probs.dtype)
         return Draft(tokens, num_valid, probs, lookup=looked_up)

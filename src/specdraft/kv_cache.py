@@ -30,6 +30,11 @@ import torch
 # p.V sums come out bit-identical whether it is verified with 1 or with K+1 queries (a span that
 # starts later prepends keys to some rounds and not others, which changes p.V's blocking).
 SHORT_FORWARD = 16
+# Their key spans also end on a multiple of this many keys (masked past the last position): the
+# attention matmuls then see a few shapes instead of a new one every step, so oneDNN reuses its
+# compiled kernels instead of building and caching one per length (measured: resident memory
+# crept up by the cached kernels). Appended masked keys add exact zeros: results are unchanged.
+SPAN_BLOCK = 128
 
 
 @dataclass
@@ -141,8 +146,9 @@ class KVCache:
     def span(self, window: int | None) -> AttentionSpan:
         """Keys visible to the current forward's queries: causal, and within `window` if given."""
         min_len, hi = self._span_bounds
-        lowest = 0 if self.positions.shape[1] <= SHORT_FORWARD else min_len
-        return attention_span(self.positions, lowest, hi, window)
+        if self.positions.shape[1] > SHORT_FORWARD:
+            return attention_span(self.positions, min_len, hi, window)
+        return attention_span(self.positions, 0, min(self.capacity, -(-hi // SPAN_BLOCK) * SPAN_BLOCK), window)
 
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [B, kv_heads, T, head_dim] for the current forward at cache slot `slot`."""

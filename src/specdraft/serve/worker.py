@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from specdraft.device import release_free_memory
 from specdraft.errors import SpecdraftError
 from specdraft.serve.metrics import Metrics
 from specdraft.speculative.engine import Engine
@@ -81,6 +82,8 @@ class EngineWorker:
             for result in finished:
                 self._finish(result)
             self.metrics.observe_engine(len(self.engine.waiting), self.engine.num_running, self.engine.timer.totals)
+            if not self.engine.has_work():
+                release_free_memory()  # idle: give the heap's free pages back (see its docstring)
 
     def _drain(self, block: bool) -> None:
         try:

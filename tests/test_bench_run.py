@@ -245,3 +245,14 @@ def test_failing_or_interrupted_run_still_writes_outputs(tiny_folder, questions_
     else:
         assert "failed at batch size 1: RuntimeError: boom" in payload["skipped"]["ngram"]
         assert {r["method"] for r in payload["rows"]} == {"plain"} and len(payload["rows"]) == 2
+
+
+def test_auto_method_is_what_generate_runs(ctx):
+    """`auto` in the bench is load_drafter(auto) plus the runtime's engine policy: a model with no
+    shipped drafter decodes plainly (and says so), exactly like `generate --drafter auto`."""
+    method = build_method("auto", ctx)
+    assert method.engine.drafter is None and method.draft_tokens == 0
+    assert method.engine.speculate_below == ctx.rt.speculate_below
+    assert any(note.startswith("auto = none") for note in method.notes)
+    out = method.generate([[2, 5, 6, 7]], 4)
+    assert out.rows[0].token_ids == build_method("plain", ctx).generate([[2, 5, 6, 7]], 4).rows[0].token_ids

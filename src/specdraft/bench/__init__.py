@@ -10,7 +10,7 @@ plots.py      PNG figures (matplotlib, Agg)
 runner.py     orchestration: load, build each method, warm up, interleave, measure, write
 """
 
-SPECDRAFT_METHODS = ("plain", "mtp", "mtp+ngram", "ngram", "draft-model")
+SPECDRAFT_METHODS = ("plain", "auto", "mtp", "mtp+ngram", "ngram", "draft-model")
 PEER_METHODS = ("hf", "hf-pld", "llama-cpp", "llama-cpp-pld")
 ALL_METHODS = SPECDRAFT_METHODS + PEER_METHODS
 DEFAULT_METHODS = ("plain", "mtp", "mtp+ngram", "ngram", "draft-model", "hf", "hf-pld", "llama-cpp", "llama-cpp-pld")

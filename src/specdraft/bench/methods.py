@@ -143,19 +143,24 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
         if path is None:
             raise Skip("no draft model: give --draft-model NAME|PATH")
     try:
-        (drafter, _, k), delta = measure_load(lambda: load_drafter(rt, name, path, ctx.draft_tokens,
-                                                                   load_runtime=Runtime.load))
+        (drafter, kind, k), delta = measure_load(lambda: load_drafter(rt, name, path, ctx.draft_tokens,
+                                                                      load_runtime=Runtime.load))
     except SpecdraftError as e:
         raise Skip(str(e)) from None
     method = SpecdraftMethod(name, rt, drafter, k, ctx.sampling)
     method.load_rss_delta = delta
+    if name == "auto":  # exactly what --drafter auto does, engine policy included
+        method.notes.append(f"auto = {kind}" + (f"; rounds with {rt.speculate_below} or more decoding rows "
+                                                 "run plain" if rt.speculate_below and drafter else ""))
+    if drafter is None:
+        return method
     if name == "draft-model":
         method.own_weight_bytes = sum(p.numel() * p.element_size() for p in drafter.model.parameters())
         method.notes.append(f"draft model {path}, K={k}")
     else:
         method.own_weight_bytes = drafter.nbytes()
         method.notes.append(f"drafter {path}, K={k}" if path else f"K={k}")
-        if name == "mtp+ngram":
+        if kind == "mtp+ngram":
             method.notes.append(f"prompt lookup up to {drafter.lookup_tokens} tokens where the last "
                                 f"{drafter.min_match}-{drafter.max_ngram} tokens occurred before")
     return method

@@ -39,6 +39,7 @@ def register(sub) -> None:
                     "interleaved batch by batch after one warm-up generation each; only generation is timed.",
         epilog=f"""methods:
   plain          specdraft, no drafter (the reference; always run)
+  auto           specdraft exactly as --drafter auto runs (drafter and engine policy)
   mtp            specdraft + MTP drafter (--drafter-path, else the one shipped for --model)
   mtp+ngram      specdraft + prompt lookup where the text repeats, the MTP drafter elsewhere
   ngram          specdraft + prompt lookup

@@ -140,15 +140,16 @@ class KVCache:
 
     @property
     def span_end(self) -> int:
-        """One past the last position the current forward writes, over all rows."""
-        return self._span_bounds[1]
+        """End of the key span of a short forward: past the last position it writes, rounded up
+        to SPAN_BLOCK keys (the rest is masked) and capped at the capacity."""
+        return min(self.capacity, -(-self._span_bounds[1] // SPAN_BLOCK) * SPAN_BLOCK)
 
     def span(self, window: int | None) -> AttentionSpan:
         """Keys visible to the current forward's queries: causal, and within `window` if given."""
         min_len, hi = self._span_bounds
         if self.positions.shape[1] > SHORT_FORWARD:
             return attention_span(self.positions, min_len, hi, window)
-        return attention_span(self.positions, 0, min(self.capacity, -(-hi // SPAN_BLOCK) * SPAN_BLOCK), window)
+        return attention_span(self.positions, 0, self.span_end, window)
 
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [B, kv_heads, T, head_dim] for the current forward at cache slot `slot`."""

@@ -26,6 +26,7 @@ import torch._dynamo
 
 from specdraft.kv_cache import SHORT_FORWARD, IndexedWrites, KVCache, attention_span
 
+
 class CompiledStep:
     """Calls `model.run_layers` through one torch.compile'd function for short forwards."""
 

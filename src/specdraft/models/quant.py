@@ -54,7 +54,29 @@ def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.
     return q.view(n, k), scales, lo
 
 
-class Int8Linear(nn.Module):
+class PackedLinear(nn.Module):
+    """y = x W^T + b with W packed: the packed kernel for decode/verify widths, the dequantised
+    weight and a bf16 GEMM for prompts. Subclasses pack in __init__ and define the two paths."""
+
+    in_features: int
+    out_features: int
+    bias: nn.Parameter | None
+
+    def dequantized(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def packed_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [N, in_features] -> [N, out_features] on the packed kernel."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _wide(x):
+            return F.linear(x, self.dequantized(), self.bias)
+        y = self.packed_mm(x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(PackedLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         q, scales = quantize_int8(weight)
@@ -66,16 +88,11 @@ class Int8Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         return self.qweight.to(self.scales.dtype) * self.scales[:, None]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _wide(x):
-            return F.linear(x, self.dequantized(), self.bias)
-        rows = x.reshape(-1, self.in_features)
-        y = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def packed_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(PackedLinear):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, group: int = INT4_GROUP):
         super().__init__()
         q, scales, lo = quantize_int4(weight, group)
@@ -95,13 +112,8 @@ class Int4Linear(nn.Module):
         scale, zero = self.scales_and_zeros.transpose(0, 1).unbind(-1)  # [N, K/g] each
         return ((q - 8) * scale[..., None] + zero[..., None]).view(n, k)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _wide(x):
-            return F.linear(x, self.dequantized(), self.bias)
-        rows = x.reshape(-1, self.in_features)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
-        y = y.view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+    def packed_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
 
 
 def compact_linear(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype) -> nn.Module:
@@ -129,7 +141,7 @@ def compact_weights(model: nn.Module, fmt: str) -> None:
         raise ValueError(f"--weights {fmt} needs bfloat16 on the CPU (torch's packed kernels); "
                          f"this model runs in {dtype} on {model.head_weight.device.type}")
     for layer in model.layers:
-        for name, child in list(layer.named_modules()):
+        for child in list(layer.modules()):
             for attr, sub in list(child.named_children()):
                 if type(sub) is nn.Linear:
                     setattr(child, attr, compact_linear(sub.weight, sub.bias, fmt, dtype))

@@ -14,11 +14,11 @@ from specdraft.device import resolve_weights
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.loading import load_folder
-from specdraft.models.quant import PACKED_MAX_ROWS, Int4Linear, Int8Linear, compact_weights
+from specdraft.models.quant import PACKED_MAX_ROWS, Int4Linear, Int8Head, Int8Linear, compact_linear, compact_weights
 from specdraft.speculative.engine import Engine
 
 BF16 = torch.bfloat16
-PACKED = {"int8": Int8Linear, "int4": Int4Linear}
+PACKED = {"int8": Int8Linear, "int4": Int4Linear, "int8-head": lambda w, b, dtype: Int8Head(w, dtype)}
 
 
 def weight(n: int = 96, k: int = 128, seed: int = 0) -> torch.Tensor:
@@ -31,12 +31,12 @@ def test_packed_linear_computes_its_dequantised_weight(fmt: str) -> None:
     layer = PACKED[fmt](w, None, BF16)
     deq = layer.dequantized().float()
     # The quantisation error itself is bounded by half a step of the format.
-    step = w.float().abs().amax(1, keepdim=True) / 127 if fmt == "int8" else (w.float().abs().amax() * 2 / 15)
+    step = w.float().abs().amax(1, keepdim=True) / 127 if fmt.startswith("int8") else (w.float().abs().amax() * 2 / 15)
     assert ((deq - w.float()).abs() <= step / 2 + 1e-2).all()
     for rows in (1, 3, PACKED_MAX_ROWS + 4):  # the packed kernel, and the dequantise-then-GEMM path
         x = torch.randn(1, rows, w.shape[1], generator=torch.Generator().manual_seed(rows)).to(BF16)
         ref = x.float() @ deq.t()
-        # bf16 output: a few ulps of the result's magnitude.
+        # bf16 output (float32 from the head, rounded through bf16 scales): a few ulps of the result's magnitude.
         assert (layer(x).float() - ref).abs().max() <= 4 * 2**-8 * ref.abs().max()
 
 
@@ -44,12 +44,23 @@ def test_packed_linear_computes_its_dequantised_weight(fmt: str) -> None:
 def test_a_rows_result_does_not_depend_on_the_number_of_rows(fmt: str) -> None:
     """Row i of an M-row product has the same bits for every M up to a verify width: the
     property that lets a K+1-row verification reproduce K+1 one-row steps exactly."""
-    for n, k in [(256, 640), (640, 2048), (4096, 640)]:
+    shapes = [(256, 640), (640, 2048), (4096, 640)] + ([(1000, 72)] if fmt == "int8-head" else [])
+    for n, k in shapes:
         layer = PACKED[fmt](weight(n, k, seed=n), None, BF16)
         x = torch.randn(PACKED_MAX_ROWS, k, generator=torch.Generator().manual_seed(k)).to(BF16)
         one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(PACKED_MAX_ROWS)])
         for m in range(2, PACKED_MAX_ROWS + 1):
             assert torch.equal(layer(x[:m]), one_by_one[:m]), (n, k, m)
+
+
+def test_widths_no_packed_kernel_takes_stay_dense() -> None:
+    """_weight_int8pack_mm crashes the process on input widths that are not multiples of 16:
+    such layers keep their dense weights (the compiled int8 head takes any width)."""
+    odd, even = torch.nn.Linear(72, 32), torch.nn.Linear(64, 32)
+    assert compact_linear(odd, "int8", BF16) is odd
+    assert isinstance(compact_linear(even, "int8", BF16), Int8Linear)
+    assert isinstance(compact_linear(torch.nn.Linear(48, 32), "int4", BF16), Int8Linear)  # 48 % 32: int8
+    assert isinstance(compact_linear(even, "int4", BF16), Int4Linear)
 
 
 def test_weights_choice_is_checked() -> None:
@@ -68,7 +79,7 @@ def packed_tiny(tiny: TinyModel, fmt: str):
     return model
 
 
-@pytest.mark.parametrize("fmt", PACKED)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_packed_model_stays_close_to_bf16(gemma_tiny: TinyModel, fmt: str) -> None:
     ids = torch.tensor(prompts_of([20], gemma_tiny.cfg.vocab_size, seed=3))
     dense, _, _ = load_folder(gemma_tiny.folder, BF16, "cpu")
@@ -79,7 +90,7 @@ def test_packed_model_stays_close_to_bf16(gemma_tiny: TinyModel, fmt: str) -> No
     kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
     assert kl < (0.01 if fmt == "int8" else 0.2), kl
     assert any(isinstance(m, Int8Linear if fmt == "int8" else Int4Linear) for m in packed.modules())
-    assert packed.packed_head is not None
+    assert isinstance(packed.packed_head, Int8Head if fmt == "int8" else Int4Linear)
 
 
 def speculative_equals_plain(model, prompts: list[list[int]], batch: int, max_new: int = 24) -> None:

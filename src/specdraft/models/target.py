@@ -52,7 +52,7 @@ class TargetModel(Protocol):
         """Final-normed hidden [..., H] -> float32 logits [..., V] (final softcap applied)."""
 
     def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Raw head scores [..., V] in the model's dtype: same argmax as `logits`, no float32 copy."""
+        """Raw head scores [..., V] (model dtype, or float32 from the int8 head): same argmax as `logits`."""
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -18,17 +19,23 @@ def register(sub) -> None:
 
 
 def _add_shape_args(p) -> None:
-    p.add_argument("--hidden", type=int, default=384, help="drafter hidden size h (default 384)")
-    p.add_argument("--layers", type=int, default=2, help="drafter layers (default 2: sliding then full)")
-    p.add_argument("--heads", type=int, default=4, help="drafter attention heads (default 4)")
+    # Defaults are None: derived from the target once it is loaded (`_drafter_config`), so every
+    # supported target gets a drafter that fits it; on Gemma 3 270M they are the shipped drafter's.
+    p.add_argument("--hidden", type=int, default=None, help="drafter hidden size h (default 384)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="drafter layers (default 2: sliding then full; all full on targets without sliding layers)")
+    p.add_argument("--heads", type=int, default=None,
+                   help="drafter attention heads, a multiple of the target's KV heads (default: the smallest such "
+                        "multiple >= 4, e.g. 4 for Gemma 3 270M, 6 for SmolLM2's 3 KV heads)")
     p.add_argument("--intermediate", type=int, default=None, help="MLP width (default 4 * hidden)")
-    p.add_argument("--head", choices=["target", "own"], default="target",
+    p.add_argument("--head", choices=["target", "own"], default=None,
                    help="target: score tokens with the target's own embedding table (no extra V x h memory; "
                         "default); own: a drafter-owned V x h table, as Gemma 4 assistants")
     p.add_argument("--clusters", type=int, default=None,
                    help="clustered head with C clusters of V/C tokens (default V/128 when V is a multiple of "
-                        "128; 0 = dense head)")
-    p.add_argument("--top-k-clusters", type=int, default=32, help="clusters kept per draft step (default 32)")
+                        "128 and at least 4096; 0 = dense head)")
+    p.add_argument("--top-k-clusters", type=int, default=None,
+                   help="clusters kept per draft step (default 32, at most an eighth of --clusters)")
 
 
 def _register_train(sub) -> None:
@@ -96,29 +103,62 @@ def _register_init(sub) -> None:
     p.set_defaults(run=run_init)
 
 
-def _drafter_config(rt, args, recommended_k: int | None):
-    from specdraft.drafters.mtp import drafter_config_for
+def _at_least(args, names: tuple[str, ...], low: int) -> None:
+    for name in names:
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise SpecdraftError(f"--{name.replace('_', '-')} {value} must be >= {low}")
 
+
+def _check_shape_args(args) -> None:
+    """The drafter-shape flags (and --seed) that can be judged without the target."""
+    if not 0 <= args.seed < 2**32:
+        raise SpecdraftError(f"--seed {args.seed} must be between 0 and {2**32 - 1} (try 0)")
+    _at_least(args, ("hidden", "layers", "heads", "intermediate", "top_k_clusters"), 1)
+    _at_least(args, ("clusters",), 0)
+    if args.clusters is not None and args.top_k_clusters is not None and args.clusters \
+            and args.top_k_clusters > args.clusters:
+        raise SpecdraftError(f"--top-k-clusters {args.top_k_clusters} exceeds --clusters {args.clusters} "
+                             f"(try {max(1, args.clusters // 8)})")
+
+
+def _drafter_config(rt, args, recommended_k: int | None):
+    """The drafter config for the loaded target: flags the user left out are derived from the
+    target's config, and every given flag is checked against it, each refusal naming the flag
+    and a value that works. Runs before any data is generated."""
+    from specdraft.drafters.mtp import drafter_config_for
+    from specdraft.drafters.mtp.checkpoint import (DEFAULT_HIDDEN, DEFAULT_LAYERS, cluster_count_near,
+                                                    default_clusters, default_heads, default_layer_types,
+                                                    default_top_k_clusters, kv_head_group, nearest_head_counts)
+
+    _check_shape_args(args)
     vocab = rt.config.vocab_size
-    clusters = args.clusters
-    if clusters is None:
-        clusters = vocab // 128 if vocab % 128 == 0 and vocab >= 4096 else 0
+    hidden = args.hidden if args.hidden is not None else DEFAULT_HIDDEN
+    layers = args.layers if args.layers is not None else DEFAULT_LAYERS
+    layer_types = default_layer_types(rt.model, layers)
+    group = kv_head_group(rt.model, layer_types)
+    heads = args.heads if args.heads is not None else default_heads(group)
+    if heads % group:
+        raise SpecdraftError(f"--heads {heads} must be a multiple of the target's {group} KV heads (try "
+                             + " or ".join(map(str, nearest_head_counts(heads, group))) + ")")
+    clusters = args.clusters if args.clusters is not None else default_clusters(vocab)
     if clusters and vocab % clusters:
-        raise SpecdraftError(f"--clusters {clusters} does not divide the vocabulary ({vocab})")
-    if clusters and args.top_k_clusters > clusters:
-        raise SpecdraftError(f"--top-k-clusters {args.top_k_clusters} exceeds --clusters {clusters}")
-    for name in ("hidden", "layers", "heads"):
-        if getattr(args, name) < 1:
-            raise SpecdraftError(f"--{name} must be >= 1")
-    return drafter_config_for(rt.model, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                              intermediate=args.intermediate, head=args.head, clustered=bool(clusters),
-                              num_centroids=clusters or None, top_k_clusters=args.top_k_clusters,
-                              recommended_k=recommended_k)
+        near = cluster_count_near(vocab)
+        hint = f"try {near}, or 0 for a dense head" if near else "try 0 for a dense head"
+        raise SpecdraftError(f"--clusters {clusters} does not divide the target's vocabulary of {vocab} ({hint})")
+    top_k = args.top_k_clusters if args.top_k_clusters is not None else default_top_k_clusters(clusters)
+    if clusters and top_k > clusters:
+        raise SpecdraftError(f"--top-k-clusters {top_k} exceeds --clusters {clusters} "
+                             f"(try {default_top_k_clusters(clusters)})")
+    return drafter_config_for(rt.model, hidden=hidden, layers=layers, heads=heads, intermediate=args.intermediate,
+                              layer_types=layer_types, head=args.head or "target", clustered=bool(clusters),
+                              num_centroids=clusters or None, top_k_clusters=top_k, recommended_k=recommended_k)
 
 
 def run_init(args) -> int:
     from specdraft.drafters.mtp import init_network, save_network
 
+    _check_shape_args(args)  # before the target loads; the rest is checked against it
     rt = load_target(args)
     net = init_network(_drafter_config(rt, args, None), rt.model, seed=args.seed)
     if net.masked_embedding is not None:
@@ -131,24 +171,82 @@ def run_init(args) -> int:
     return 0
 
 
+def _check_train_args(args) -> None:
+    """Every train-drafter flag that can be judged without the target, before anything loads."""
+    _at_least(args, ("steps", "batch_size", "anchors", "draft_tokens", "answer_tokens", "eval_every", "num_prompts"), 1)
+    _at_least(args, ("held_out",), 0)
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise SpecdraftError(f"--lr {args.lr} must be a positive number (try 1e-3)")
+    if args.answer_tokens <= args.draft_tokens:
+        # Step k of an anchor needs the target's token k + 2 answer positions later (objective.py).
+        raise SpecdraftError(f"--answer-tokens {args.answer_tokens} leaves nothing to train --draft-tokens "
+                             f"{args.draft_tokens} on: answers need at least K + 1 tokens (try --answer-tokens "
+                             f"{max(160, args.draft_tokens + 1)})")
+    _check_shape_args(args)
+
+
+def _check_context(rt, args) -> None:
+    """Answers must fit the target's context after a prompt (prompts are cut at 256 tokens)."""
+    from specdraft.training.data import DataConfig
+
+    context = rt.config.max_position_embeddings
+    room = context - DataConfig.max_prompt_tokens - 1
+    if room < 1:  # a tiny context: at least one prompt token and the answer
+        room = context - 2
+    if args.answer_tokens > room:
+        raise SpecdraftError(f"--answer-tokens {args.answer_tokens} does not fit the target's {context}-token "
+                             f"context after a prompt (try {max(room, 1)})")
+
+
+def _resumed_config(rt, args):
+    """On --resume the checkpoint's drafter is continued: check it fits this target, and refuse
+    shape flags that contradict it (they would be silently ignored otherwise)."""
+    from specdraft.drafters.mtp.checkpoint import kv_sources, read_drafter_config
+
+    ckpt = args.out / "checkpoint"
+    cfg = read_drafter_config(ckpt)
+    kv_sources(cfg, rt.model)
+    saved = {"hidden": cfg.hidden_size, "layers": cfg.num_layers, "heads": cfg.num_heads,
+             "intermediate": cfg.intermediate_size, "head": cfg.head,
+             "clusters": cfg.num_centroids if cfg.clustered else 0, "top_k_clusters": cfg.top_k_clusters}
+    for name, value in saved.items():
+        given = getattr(args, name)
+        if given is not None and given != value and not (name == "top_k_clusters" and not cfg.clustered):
+            flag = "--" + name.replace("_", "-")
+            raise SpecdraftError(f"{flag} {given} differs from the checkpoint in {ckpt} ({flag} {value}); drop it "
+                                 f"to resume, or choose another --out")
+    return cfg
+
+
+def _describe(cfg) -> str:
+    head_dim = cfg.head_dim[cfg.layer_types[-1]]
+    clusters = f"{cfg.num_centroids} clusters (top {cfg.top_k_clusters})" if cfg.clustered else "dense head"
+    return (f"drafter: hidden {cfg.hidden_size}, {cfg.num_layers} layers ({', '.join(cfg.layer_types)}), "
+            f"{cfg.num_heads} heads of {head_dim}, MLP {cfg.intermediate_size}, head {cfg.head}, {clusters}")
+
+
 def run_train(args) -> int:
     from specdraft.training.data import DataConfig, build_dataset, load_sequences
     from specdraft.training.prompts import load_prompt_set
     from specdraft.training.trainer import TrainConfig, Trainer, init_distributed
 
-    if (args.out / "checkpoint" / "state.json").exists() and not args.resume:
+    # Every setting is checked before any work: flags alone first, then (once the target is
+    # loaded) the drafter's shape against the target's config, then the prompt files.
+    resuming = (args.out / "checkpoint" / "state.json").exists()
+    if resuming and not args.resume:
         raise SpecdraftError(f"{args.out} already has a training checkpoint; pass --resume to continue it "
                              "or choose another --out")
-    for name in ("steps", "batch_size", "anchors", "draft_tokens", "answer_tokens"):
-        if getattr(args, name) < 1:
-            raise SpecdraftError(f"--{name.replace('_', '-')} must be >= 1")
+    _check_train_args(args)
     distributed = init_distributed()
     started = time.time()
     rt = load_target(args)
+    _check_context(rt, args)
+    drafter_cfg = _resumed_config(rt, args) if resuming else _drafter_config(rt, args, args.draft_tokens)
     prompts = load_prompt_set(args.prompts, args.exclude_eval, held_out_fraction=0.05, limit=args.num_prompts)
     held = prompts.held_out[: args.held_out]
     print(f"prompts: {len(prompts.train)} train, {len(held)} held out, {len(prompts.refused)} refused as "
           f"overlapping the evaluation files", file=sys.stderr)
+    print(_describe(drafter_cfg) + (" (from the checkpoint)" if resuming else ""), file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "held_out_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held))
     data_cfg = DataConfig(max_new_tokens=args.answer_tokens, seed=args.seed)
@@ -166,7 +264,7 @@ def run_train(args) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
                       k_steps=args.draft_tokens, lr=args.lr, loss=args.loss, eval_every=args.eval_every,
                       save_every=args.eval_every, seed=args.seed)
-    trainer = Trainer(rt, args.out, cfg, _drafter_config(rt, args, args.draft_tokens), train, held_seqs,
+    trainer = Trainer(rt, args.out, cfg, drafter_cfg, train, held_seqs,
                       log=lambda m: print(m, file=sys.stderr))
     final = trainer.train()
     recipe = {"command": " ".join(sys.argv), "model": args.model, "seed": args.seed, "train_sequences": len(train),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -97,22 +98,81 @@ def save_network(net: MTPNetwork, folder: Path) -> None:
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def drafter_config_for(target: torch.nn.Module, hidden: int = 256, layers: int = 2, heads: int = 4,
+# Defaults for a drafter's own shape (what `train-drafter` / `init-drafter` use when the user
+# gives none). On Gemma 3 270M (1 KV head, V = 262144) they give the shipped drafter's shape.
+DEFAULT_HIDDEN = 384
+DEFAULT_LAYERS = 2
+MIN_DEFAULT_HEADS = 4
+DEFAULT_TOP_K_CLUSTERS = 32
+CLUSTER_TOKENS = 128  # tokens per cluster of the default clustered head (as Gemma 4 E2B/E4B)
+
+
+def default_layer_types(target: torch.nn.Module, layers: int) -> list[str]:
+    """Gemma 4 pattern: sliding layers first, a full layer last (all full for all-full targets)."""
+    if SLIDING in target.config.layer_types:
+        return [SLIDING] * (layers - 1) + [FULL]
+    return [FULL] * layers
+
+
+def kv_head_group(target: torch.nn.Module, layer_types: list[str]) -> int:
+    """Drafter query heads must be a multiple of this: the least common multiple of the KV-head
+    counts of the target layers the drafter's layers read (GQA grouping)."""
+    return math.lcm(*(kv_source(target, t).num_kv_heads for t in dict.fromkeys(layer_types)))
+
+
+def default_heads(group: int) -> int:
+    """The smallest multiple of the KV-head group that is at least MIN_DEFAULT_HEADS (4 for a
+    1-KV-head Gemma 3 target, 6 for SmolLM2's 3 KV heads, 8 for a Llama with 8)."""
+    return -(-MIN_DEFAULT_HEADS // group) * group
+
+
+def nearest_head_counts(heads: int, group: int) -> list[int]:
+    """Valid head counts next to `heads` (the multiples of `group` either side), for messages."""
+    below = heads // group * group
+    return [n for n in (below, below + group) if n >= 1]
+
+
+def default_clusters(vocab: int) -> int:
+    """Clusters of the default head: V/128 when V is a multiple of 128 and at least 4096, else
+    0 (a dense head: small vocabularies gain nothing from clustering)."""
+    return vocab // CLUSTER_TOKENS if vocab % CLUSTER_TOKENS == 0 and vocab >= 32 * CLUSTER_TOKENS else 0
+
+
+def cluster_count_near(vocab: int) -> int:
+    """A cluster count that divides `vocab`, closest to V/128 (at least 2); 0 if only 1 and V do
+    (then a dense head is the choice). For messages suggesting a valid --clusters."""
+    want = max(2, vocab // CLUSTER_TOKENS)
+    divisors = {d for i in range(1, math.isqrt(vocab) + 1) if vocab % i == 0 for d in (i, vocab // i)}
+    divisors -= {1, vocab}
+    return min(divisors, key=lambda d: (abs(d - want), d)) if divisors else 0
+
+
+def default_top_k_clusters(clusters: int) -> int:
+    """Clusters kept per draft step: 32, but never more than an eighth of them (32 is stored,
+    unused, for a dense head)."""
+    return min(DEFAULT_TOP_K_CLUSTERS, max(1, clusters // 8)) if clusters > 0 else DEFAULT_TOP_K_CLUSTERS
+
+
+def drafter_config_for(target: torch.nn.Module, hidden: int = 256, layers: int = 2, heads: int | None = None,
                        intermediate: int | None = None, layer_types: list[str] | None = None,
                        head: str = "own", clustered: bool = False, num_centroids: int | None = None,
                        top_k_clusters: int = 32, recommended_k: int | None = None) -> MTPConfig:
-    """A drafter config whose q-path fits `target` (head dims, KV heads from the layers it reads)."""
+    """A drafter config whose q-path fits `target` (head dims, KV heads from the layers it reads).
+
+    `heads` defaults to `default_heads` for the target's KV-head grouping."""
     tc = target.config
     if layer_types is None:
-        # Gemma 4 pattern: sliding layers first, a full layer last (all full for all-full targets).
-        has_sliding = SLIDING in tc.layer_types
-        layer_types = [SLIDING] * (layers - 1) + [FULL] if has_sliding else [FULL] * layers
+        layer_types = default_layer_types(target, layers)
     head_dim, kv = {}, {}
     for t in (SLIDING, FULL):
         src = kv_source(target, t)
         head_dim[t], kv[t] = src.head_dim, src.num_kv_heads
-    if heads % kv[FULL] or heads % kv[SLIDING]:
-        raise SpecdraftError(f"drafter heads ({heads}) must be a multiple of the target's KV heads")
+    group = kv_head_group(target, layer_types)
+    if heads is None:
+        heads = default_heads(group)
+    if heads < 1 or heads % group:
+        raise SpecdraftError(f"drafter heads ({heads}) must be a multiple of the target's {group} KV heads (try "
+                             + " or ".join(map(str, nearest_head_counts(max(heads, 1), group))) + ")")
     if clustered and num_centroids is None:
         num_centroids = tc.vocab_size // 128 if tc.vocab_size % 128 == 0 else None
         if num_centroids is None:

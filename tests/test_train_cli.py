@@ -1,0 +1,186 @@
+"""`specdraft train-drafter` / `init-drafter` settings: the drafter's shape is derived from the
+target's config where the user gives none, and every setting is checked, in one line naming the
+flag and a value that works, before any data is generated."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import make_tiny
+from specdraft.cli.main import build_parser, main
+from specdraft.cli.train import _drafter_config
+from specdraft.config import FULL, SLIDING
+from specdraft.drafters.mtp import init_network, save_network
+from specdraft.drafters.mtp.checkpoint import (default_clusters, default_heads, default_top_k_clusters,
+                                               kv_sources, nearest_head_counts)
+from specdraft.loading.presets import is_converted, preset_dir
+from specdraft.runtime import Runtime
+from specdraft.drafters import shipped_drafter_path
+
+
+@pytest.fixture(scope="module")
+def smollm2_like(tmp_path_factory) -> Path:
+    """A tiny Llama with SmolLM2-135M's attention grouping: 9 query heads over 3 KV heads."""
+    folder = tmp_path_factory.mktemp("smollm2_like") / "tiny"
+    make_tiny(folder, "llama", seed=5, hidden_size=144, num_attention_heads=9, num_key_value_heads=3,
+              head_dim=16)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def gemma3_like(tmp_path_factory) -> Path:
+    """A tiny Gemma 3 with gemma3-270m's grouping: 4 query heads over 1 KV head, sliding + full."""
+    folder = tmp_path_factory.mktemp("gemma3_like") / "tiny"
+    make_tiny(folder, "gemma3", seed=6, num_attention_heads=4, num_key_value_heads=1)
+    return folder
+
+
+def train_args(model: Path | str, out: Path, *extra: str):
+    return build_parser().parse_args(["train-drafter", "--model", str(model), "--out", str(out),
+                                      "--prompts", str(out / "prompts.txt"), *extra])
+
+
+def derived(model: Path | str, tmp_path: Path, *extra: str):
+    rt = Runtime.load(str(model), "float32", "cpu", progress=False)
+    return rt, _drafter_config(rt, train_args(model, tmp_path, *extra), 4)
+
+
+# --------------------------------------------------------------------------- derived defaults
+
+def test_default_heads_are_the_smallest_multiple_of_the_kv_heads_from_four():
+    assert [default_heads(g) for g in (1, 2, 3, 4, 5, 8)] == [4, 4, 6, 4, 5, 8]
+    assert nearest_head_counts(4, 3) == [3, 6] and nearest_head_counts(2, 3) == [3]
+    # gemma3-270m's vocabulary: the shipped 2048 clusters, 32 kept; small vocabularies stay dense.
+    assert default_clusters(262144) == 2048 and default_top_k_clusters(2048) == 32
+    assert default_clusters(49152) == 384 and default_top_k_clusters(384) == 32  # SmolLM2
+    assert default_clusters(128) == 0 and default_top_k_clusters(16) == 2
+
+
+def test_defaults_fit_a_target_with_three_kv_heads(smollm2_like, tmp_path):
+    rt, cfg = derived(smollm2_like, tmp_path)
+    assert cfg.num_heads == 6  # 4 would not divide into 3 KV heads
+    assert cfg.num_kv_heads[FULL] == 3 and cfg.head_dim[FULL] == 16
+    assert cfg.layer_types == [FULL, FULL]  # an all-full Llama
+    assert cfg.backbone_hidden_size == 144 and cfg.hidden_size == 384 and cfg.intermediate_size == 1536
+    assert cfg.vocab_size == rt.config.vocab_size and not cfg.clustered
+    net = init_network(cfg, rt.model)  # the drafter builds, and fits the target it was made for
+    assert len(kv_sources(net.config, rt.model)) == 2
+
+
+def test_defaults_for_a_gemma3_target_are_unchanged(gemma3_like, tmp_path):
+    _, cfg = derived(gemma3_like, tmp_path)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.intermediate_size) == (384, 2, 4, 1536)
+    assert cfg.layer_types == [SLIDING, FULL] and cfg.head == "target" and cfg.top_k_clusters == 32
+    # Given flags are kept as given.
+    _, cfg = derived(gemma3_like, tmp_path, "--heads", "3", "--hidden", "32", "--clusters", "16")
+    assert (cfg.num_heads, cfg.hidden_size, cfg.num_centroids, cfg.top_k_clusters) == (3, 32, 16, 2)
+
+
+@pytest.mark.slow
+def test_shipped_recipe_reproduces_the_shipped_drafter_shape(tmp_path):
+    """The real gemma3-270m: the defaults give the shipped drafter's config.json exactly."""
+    if not is_converted(preset_dir("gemma3-270m")):
+        pytest.skip("gemma3-270m is not converted in the cache")
+    _, cfg = derived("gemma3-270m", tmp_path)
+    shipped = json.loads((shipped_drafter_path("gemma3-270m") / "config.json").read_text())
+    mine = json.loads(json.dumps(cfg.to_dict()))
+    shipped["specdraft"].pop("recommended_k"), mine["specdraft"].pop("recommended_k")
+    assert mine == shipped
+
+
+# --------------------------------------------------------------------------- checked up front
+
+@pytest.fixture
+def no_generation(monkeypatch):
+    """Records calls to the data generators; a call stops the command right there."""
+    from specdraft.errors import SpecdraftError
+    from specdraft.training import data
+
+    calls: list[str] = []
+
+    def stop(name):
+        def fake(*a, **k):
+            calls.append(name)
+            raise SpecdraftError("data generation reached")
+        return fake
+
+    monkeypatch.setattr(data, "build_dataset", stop("build_dataset"))
+    monkeypatch.setattr(data, "record_answers", stop("record_answers"))
+    return calls
+
+
+def run_train(capsys, model: Path, out: Path, *extra: str) -> tuple[int, str]:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "prompts.txt").write_text("w4 w5 w6\nw7 w8 w9 w10\nw11 w12\n")
+    capsys.readouterr()
+    code = main(["train-drafter", "--model", str(model), "--dtype", "float32", "--device", "cpu",
+                 "--out", str(out / "run"), "--prompts", str(out / "prompts.txt"), *extra])
+    return code, capsys.readouterr().err
+
+
+def one_line(code: int, err: str) -> str:
+    lines = err.strip().splitlines()
+    assert code == 2 and "Traceback" not in err, err
+    assert len(lines) == 1 and lines[0].startswith("specdraft: error: "), err
+    return lines[0]
+
+
+def test_bad_heads_fail_in_one_line_before_any_generation(capsys, smollm2_like, tmp_path, no_generation):
+    code, err = run_train(capsys, smollm2_like, tmp_path, "--heads", "4")
+    line = one_line(code, err)
+    assert "--heads 4 must be a multiple of the target's 3 KV heads (try 3 or 6)" in line, line
+    assert no_generation == [] and not (tmp_path / "run").exists()
+
+
+def test_default_heads_get_to_data_generation(capsys, smollm2_like, tmp_path, no_generation):
+    code, err = run_train(capsys, smollm2_like, tmp_path)
+    assert code == 2 and err.strip().splitlines()[-1] == "specdraft: error: data generation reached", err
+    assert no_generation == ["build_dataset"]
+    assert "6 heads of 16" in err
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--eval-every", "0"], "--eval-every 0 must be >= 1"),
+    (["--lr", "0"], "--lr 0.0 must be a positive number (try 1e-3)"),
+    (["--lr", "nan"], "--lr nan must be a positive number"),
+    (["--held-out", "-1"], "--held-out -1 must be >= 0"),
+    (["--num-prompts", "0"], "--num-prompts 0 must be >= 1"),
+    (["--answer-tokens", "4"], "--answer-tokens 4 leaves nothing to train --draft-tokens 4 on"),
+    (["--answer-tokens", "1000"], "--answer-tokens 1000 does not fit the target's 512-token context"),
+    (["--intermediate", "0"], "--intermediate 0 must be >= 1"),
+    (["--heads", "0"], "--heads 0 must be >= 1"),
+    (["--heads", "2"], "--heads 2 must be a multiple of the target's 3 KV heads (try 3)"),
+    (["--clusters", "7"], "--clusters 7 does not divide the target's vocabulary of 128 (try 2, or 0 for a dense head)"),
+    (["--clusters", "8", "--top-k-clusters", "9"], "--top-k-clusters 9 exceeds --clusters 8 (try 1)"),
+    (["--clusters", "16", "--top-k-clusters", "0"], "--top-k-clusters 0 must be >= 1"),
+    (["--seed", "-1"], "--seed -1 must be between 0 and"),
+])
+def test_every_setting_is_checked_before_generation(capsys, smollm2_like, tmp_path, no_generation, args, needle):
+    line = one_line(*run_train(capsys, smollm2_like, tmp_path, *args))
+    assert needle in line, line
+    assert no_generation == []
+
+
+def test_resume_refuses_flags_that_contradict_the_checkpoint(capsys, smollm2_like, tmp_path, no_generation):
+    rt = Runtime.load(str(smollm2_like), "float32", "cpu", progress=False)
+    ckpt = tmp_path / "run" / "checkpoint"
+    save_network(init_network(_drafter_config(rt, train_args(smollm2_like, tmp_path), 4), rt.model), ckpt)
+    (ckpt / "state.json").write_text("{}")
+    line = one_line(*run_train(capsys, smollm2_like, tmp_path, "--resume", "--heads", "3"))
+    assert "--heads 3 differs from the checkpoint" in line and "(--heads 6)" in line, line
+    assert no_generation == []
+    code, err = run_train(capsys, smollm2_like, tmp_path, "--resume")
+    assert code == 2 and err.strip().endswith("data generation reached") and "(from the checkpoint)" in err, err
+
+
+def test_init_drafter_derives_heads_too(capsys, smollm2_like, tmp_path):
+    assert main(["init-drafter", "--model", str(smollm2_like), "--dtype", "float32", "--device", "cpu",
+                 "--out", str(tmp_path / "d"), "--hidden", "32"]) == 0
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["text_config"]["num_attention_heads"] == 6
+    capsys.readouterr()
+    code = main(["init-drafter", "--model", str(smollm2_like), "--dtype", "float32", "--device", "cpu",
+                 "--out", str(tmp_path / "e"), "--heads", "4"])
+    assert "--heads 4 must be a multiple of the target's 3 KV heads" in one_line(code, capsys.readouterr().err)

@@ -16,6 +16,7 @@ from conftest import TinyModel, OracleDrafter, load_ours, prompts_of
 from specdraft.drafters.base import DraftInput
 from specdraft.drafters.draft_model import DraftModelDrafter
 from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+from specdraft.drafters.mtp.drafter import MTPDrafter
 from specdraft.drafters.mtp_lookup import MTPWithLookup
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.errors import SpecdraftError
@@ -26,7 +27,10 @@ MAX_NEW = 30
 LENGTHS = {1: [9], 3: [4, 13, 1], 8: [6, 2, 15, 9, 1, 11, 4, 7]}
 KS = [1, 3, 7]
 DRAFTERS = ["ngram", "draft-model-self", "draft-model-noisy", "mtp-dense-own", "mtp-dense-target",
-            "mtp-clustered-own", "mtp-clustered-target", "mtp+ngram", "oracle-noisy"]
+            "mtp-clustered-own", "mtp-clustered-target", "mtp+ngram", "oracle-noisy", "mtp-early-stop",
+            "mtp-early-stop+ngram"]
+# The clustered drafter stopping each row after a draft it gave less than EARLY_STOP: ragged widths.
+EARLY_STOP = 0.038  # this random drafter's confidences sit around 1/32 (its candidates): about half stop
 
 
 def batch_prompts(tiny: TinyModel, b: int) -> list[list[int]]:
@@ -75,6 +79,10 @@ def drafter_factory(gemma_tiny: TinyModel, tmp_path_factory):
             return DraftModelDrafter(noisy)
         if name == "mtp+ngram":
             return MTPWithLookup(mtp["mtp-clustered-target"])
+        if name.startswith("mtp-early-stop"):
+            base = mtp["mtp-clustered-target"]
+            early = MTPDrafter(base.net, base.target, base.sources, min_confidence=EARLY_STOP)
+            return MTPWithLookup(early) if name.endswith("+ngram") else early
         if name.startswith("mtp"):
             return mtp[name]
         if name == "oracle-noisy":
@@ -136,6 +144,10 @@ def test_greedy_speculative_equals_plain(name: str, k: int, b: int, gemma_tiny, 
     assert [r.token_ids for r in results] == expected
     assert all(r.finish_reason == "length" for r in results)
     check_stats(results, rec, engine.width, MAX_NEW)
+    if name == "mtp-early-stop" and k > 1:
+        # Some rounds stopped before K drafts, some went on past the first.
+        drafted = [sum(r.stats.drafted_by_position[j] for r in results) for j in range(k)]
+        assert drafted[0] > drafted[1] > 0, drafted
     if name == "draft-model-self":
         # Drafts are the target's own greedy tokens: every draft accepted, tau = K + 1.
         for r in results:

@@ -27,8 +27,9 @@ import pytest
 import torch
 
 from conftest import TinyModel, build_hf, load_ours, save_hf
-from specdraft.drafters.base import Draft, Drafter, SparseProbs
+from specdraft.drafters.base import Draft, Drafter, DraftInput, SparseProbs
 from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+from specdraft.drafters.mtp.drafter import MTPDrafter
 from specdraft.drafters.mtp_lookup import MTPWithLookup
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.sampling import SamplingParams
@@ -188,12 +189,16 @@ def drafters(target: TinyModel, tmp_path_factory):
     with torch.no_grad():
         seqs = torch.tensor([PROMPT + [t] for t in range(V)])
         table = target.hf(seqs).logits[:, -1].argmax(-1)
-    return {"mtp": mtp, "argmax": ArgmaxDrafter(table), "ngram": NgramDrafter(), "mtp+ngram": MTPWithLookup(mtp, min_match=1)}
+    # The same network stopping each row's drafts after an unsure one: ragged draft lengths.
+    early = MTPDrafter(mtp.net, mtp.target, mtp.sources, min_confidence=EARLY_STOP)
+    return {"mtp": mtp, "argmax": ArgmaxDrafter(table), "ngram": NgramDrafter(), "mtp+ngram": MTPWithLookup(mtp, min_match=1),
+            "mtp-early-stop": early, "mtp-early-stop+ngram": MTPWithLookup(early, min_match=1)}
 
 
 # ------------------------------------------------------------------ the tests
 
 T1 = SamplingParams(1.0)
+EARLY_STOP = 0.3  # about half of this random drafter's sampled drafts are less sure than this
 FILTERED = SamplingParams(1.0, top_k=6, top_p=0.9)
 
 CASES = {
@@ -206,6 +211,9 @@ CASES = {
     # Rows whose last token occurred in PROMPT look up (point mass), the others sample from the
     # MTP drafter, in the same batch.
     "mtp+ngram-mixed-K2": ("mtp+ngram", 2, T1, 50),
+    # Rows stop drafting after a draft Q gave < EARLY_STOP: 1, 2 or 3 drafts per row and round.
+    "mtp-early-stop-K3": ("mtp-early-stop", 3, T1, 70),
+    "mtp-early-stop+ngram-mixed-K3": ("mtp-early-stop+ngram", 3, T1, 80),
 }
 
 
@@ -223,7 +231,7 @@ def test_speculative_sampling_matches_target_distribution(case: str, target, dra
     # Both the accept and the reject paths were taken often (tens of thousands of times). The
     # random MTP drafter is accepted ~10% of the time, so its case mostly tests the residual
     # (including tokens outside the kept clusters); the point-mass cases accept ~65%.
-    if key == "mtp+ngram":
+    if key is not None and key.endswith("+ngram"):
         rounds = drafters[key].row_rounds
         assert min(rounds.values()) > 0.1 * sum(rounds.values()), rounds
     if key is not None:
@@ -231,18 +239,36 @@ def test_speculative_sampling_matches_target_distribution(case: str, target, dra
     assert p_value > ALPHA, f"{case}: chi2 {stat:.1f} on {df} df, p = {p_value:.2e}, TV {tv:.4f}"
 
 
+def draft_input(target: TinyModel, n: int) -> DraftInput:
+    """n rows after PROMPT, each with its own last token, as the engine hands them to a drafter."""
+    cache = target.ours.new_cache(n, 16)
+    with torch.inference_mode():
+        hidden = target.ours(torch.tensor([PROMPT] * n), cache)[:, -1]
+    tokens = torch.zeros(n, 20, dtype=torch.long)
+    tokens[:, : len(PROMPT)] = torch.tensor(PROMPT)
+    last = torch.arange(n) % V
+    return DraftInput(last, hidden, torch.full((n,), len(PROMPT) - 1), cache, tokens, torch.ones(n, dtype=torch.bool))
+
+
+def test_early_stop_gives_ragged_draft_lengths(target, drafters) -> None:
+    """The early-stop case is only meaningful if rows really stop at different lengths."""
+    n = 64
+    inp = draft_input(target, n)
+    d = drafters["mtp-early-stop"].propose(inp, 3, T1, torch.Generator().manual_seed(0))
+    lengths = set(d.num_valid.tolist())
+    assert {1, 3} <= lengths, lengths
+    # Every draft a row keeps was at least EARLY_STOP likely under Q, except its last one.
+    q = d.probs.dense().gather(2, d.tokens[..., None]).squeeze(2)
+    for row in range(n):
+        kept = int(d.num_valid[row])
+        assert (q[row, : kept - 1] >= EARLY_STOP).all()
+        assert kept == 3 or q[row, kept - 1] < EARLY_STOP
+
+
 def test_clustered_q_really_excludes_tokens(target, drafters) -> None:
     """The MTP case is only meaningful if Q misses tokens P gives mass to: check Q's support."""
-    from specdraft.drafters.base import DraftInput
-
-    engine_cache = target.ours.new_cache(4, 16)
-    with torch.inference_mode():
-        hidden = target.ours(torch.tensor([PROMPT] * 4), engine_cache)[:, -1]
-        tokens = torch.zeros(4, 20, dtype=torch.long)
-        tokens[:, : len(PROMPT)] = torch.tensor(PROMPT)
-        inp = DraftInput(torch.tensor([3, 4, 5, 6]), hidden, torch.full((4,), len(PROMPT) - 1), engine_cache,
-                         tokens, torch.ones(4, dtype=torch.bool))
-        d = drafters["mtp"].propose(inp, 2, T1, torch.Generator().manual_seed(0))
+    inp = draft_input(target, 4)
+    d = drafters["mtp"].propose(inp, 2, T1, torch.Generator().manual_seed(0))
     assert isinstance(d.probs, SparseProbs)  # no [B, K, V] tensor per draft step
     q = d.probs.dense()
     support = (q > 0).sum(-1)

@@ -69,10 +69,11 @@ class MTPWithLookup(Drafter):
             # Every active row has a match: no drafter forward at all this round.
             return Draft(found.drafts[:, :longest], found.num_valid, lookup=looked_up)
         mtp = self.mtp.propose(inp, k, sampling, generator)
-        width = max(k, longest)
+        m = mtp.tokens.shape[1]  # K, or fewer when every row stopped early
+        width = max(m, longest)
         # Pad both to the round's width (K may exceed lookup_tokens, or the other way round).
         looked = F.pad(found.drafts, (0, max(0, width - self.lookup_tokens)))[:, :width]
-        tokens = torch.where(looked_up[:, None], looked, F.pad(mtp.tokens, (0, width - k)))
+        tokens = torch.where(looked_up[:, None], looked, F.pad(mtp.tokens, (0, width - m)))
         num_valid = torch.where(looked_up, found.num_valid, mtp.num_valid)
         probs = mtp.probs
         if isinstance(probs, SparseProbs):
@@ -80,7 +81,7 @@ class MTPWithLookup(Drafter):
             if n_lookup:  # looked-up drafts were not sampled: their Q is a point mass on the token
                 probs = probs.point_masses(looked_up, tokens)
         elif probs is not None:
-            probs = F.pad(probs, (0, 0, 0, width - k))
+            probs = F.pad(probs, (0, 0, 0, width - m))
             if n_lookup:
                 probs[looked_up] = F.one_hot(tokens[looked_up], probs.shape[-1]).to(probs.dtype)
         return Draft(tokens, num_valid, probs, lookup=looked_up)

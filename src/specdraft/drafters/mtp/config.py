@@ -6,6 +6,7 @@ specdraft's own additions live under the "specdraft" key, which other readers ig
   head: "own" (the tied V x h table, as Gemma 4) or "target" (score with the target's own
         embedding table after post_projection: no extra V x h memory)
   recommended_k: the K the drafter was tuned for
+  min_confidence: a row stops drafting after a draft the drafter gave less probability (0: never)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class MTPConfig:
     head: str = "own"  # "own" | "target"
     q_norm: bool = True
     recommended_k: int | None = None
+    min_confidence: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # anything else under "specdraft"
 
     @property
@@ -77,12 +79,15 @@ class MTPConfig:
                 head=ours.get("head", "own"),
                 q_norm=bool(ours.get("q_norm", True)),
                 recommended_k=ours.get("recommended_k"),
-                extra={k: v for k, v in ours.items() if k not in ("head", "q_norm", "recommended_k")},
+                min_confidence=float(ours.get("min_confidence", 0.0)),
+                extra={k: v for k, v in ours.items() if k not in ("head", "q_norm", "recommended_k", "min_confidence")},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SpecdraftError(f"drafter config.json is missing or has a bad field: {e}") from None
         if len(types) != n:
             raise SpecdraftError(f"drafter layer_types has {len(types)} entries for {n} layers")
+        if not 0 <= cfg.min_confidence < 1:
+            raise SpecdraftError(f"drafter min_confidence must be in [0, 1), got {cfg.min_confidence}")
         if cfg.head not in ("own", "target"):
             raise SpecdraftError(f"drafter head must be 'own' or 'target', got {cfg.head!r}")
         if cfg.clustered and cfg.vocab_size % cfg.num_centroids:
@@ -123,5 +128,6 @@ class MTPConfig:
                 "enable_moe_block": False,
                 "use_double_wide_mlp": False,
             },
-            "specdraft": {"head": self.head, "q_norm": self.q_norm, "recommended_k": self.recommended_k, **self.extra},
+            "specdraft": {"head": self.head, "q_norm": self.q_norm, "recommended_k": self.recommended_k,
+                          **({"min_confidence": self.min_confidence} if self.min_confidence else {}), **self.extra},
         }

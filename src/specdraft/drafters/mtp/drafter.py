@@ -17,6 +17,8 @@ from specdraft.kv_cache import attention_span
 from specdraft.models.target import AttentionLayout
 from specdraft.sampling import SamplingParams, probabilities, sample
 
+GREEDY_CONFIDENCE = SamplingParams(temperature=1.0)  # greedy drafts' confidence: the drafter's softmax
+
 
 def layer_contexts(sources: list[AttentionLayout], keys: list[torch.Tensor], values: list[torch.Tensor],
                    positions: torch.Tensor, dtype: torch.dtype) -> list[LayerContext]:
@@ -52,11 +54,18 @@ def stack_probs(steps: list, vocab: int) -> torch.Tensor | SparseProbs | None:
 
 
 class MTPDrafter(Drafter):
+    """min_confidence (default: the drafter config's): a row stops drafting after a token the drafter gave less than this
+    probability (among the tokens it scored); the round stops when every row has stopped. A
+    late draft after an unsure one is rarely accepted, and each costs a drafter step and a
+    wider verify. The choice reads only the drafter's own outputs, so sampling stays exact."""
+
     kind = "mtp"
 
-    def __init__(self, net: MTPNetwork, target: torch.nn.Module, sources: list[AttentionLayout]):
+    def __init__(self, net: MTPNetwork, target: torch.nn.Module, sources: list[AttentionLayout],
+                 min_confidence: float | None = None):
         self.net, self.target, self.sources = net, target, sources
         self.recommended_k = net.config.recommended_k
+        self.min_confidence = net.config.min_confidence if min_confidence is None else min_confidence
 
     def nbytes(self) -> int:
         return self.net.nbytes()
@@ -80,18 +89,23 @@ class MTPDrafter(Drafter):
         token, state = inp.last_token, inp.hidden[:, None]
         tokens, probs = [], []
         vocab = self.target.config.vocab_size
+        drafting = inp.active.clone()  # rows still drafting
+        num_valid = torch.zeros(b, dtype=torch.long, device=inp.last_token.device)
         for _ in range(k):
             z, state = self.net.step(self.target.embed(token[:, None]), state, contexts)
             logits, cands = self.logits(z[:, 0], state[:, 0])
-            if sampling.greedy:
-                pick = logits.argmax(-1)
-                token = pick if cands is None else cands.gather(1, pick[:, None]).squeeze(1)
-            else:
-                q = probabilities(logits, sampling)
-                pick = sample(q, generator)
-                token = pick if cands is None else cands.gather(1, pick[:, None]).squeeze(1)
+            q = None
+            if not sampling.greedy or self.min_confidence > 0:
+                q = probabilities(logits, GREEDY_CONFIDENCE if sampling.greedy else sampling)
+            pick = logits.argmax(-1) if sampling.greedy else sample(q, generator)
+            token = pick if cands is None else cands.gather(1, pick[:, None]).squeeze(1)
+            if not sampling.greedy:
                 # The exact Q the token was drawn from: over the kept clusters' tokens only (0 elsewhere).
                 probs.append(q if cands is None else (cands, q))
             tokens.append(token)
-        num_valid = torch.where(inp.active, k, 0)
+            num_valid += drafting
+            if self.min_confidence > 0:
+                drafting &= q.gather(1, pick[:, None]).squeeze(1) >= self.min_confidence
+                if not bool(drafting.any()):
+                    break
         return Draft(torch.stack(tokens, 1), num_valid, stack_probs(probs, vocab))

@@ -144,3 +144,24 @@ def test_compiled_bf16_int8_speculative_output_equals_plain(gemma_tiny: TinyMode
     model = packed_tiny(gemma_tiny, "int8")
     compile_steps(model, announce=False)
     speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size, 2), 1)
+
+
+def test_int8_head_without_a_compiler_falls_back_to_the_packed_kernel(gemma_tiny: TinyModel, monkeypatch, capsys) -> None:
+    """No C++ compiler for Inductor: the head takes torch's packed kernel for every call (one
+    kernel for all widths keeps speculation exact) and the user is told, no stack trace."""
+    from specdraft import runtime
+    from specdraft.models import int8_head
+
+    model = packed_tiny(gemma_tiny, "int8")
+
+    def no_compiler(in_features: int) -> None:
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(int8_head, "warm_up", no_compiler)
+    runtime._warm_up_int8_head(model.packed_head, progress=True)
+    assert not model.packed_head.compiled
+    assert "unavailable" in capsys.readouterr().err
+    x = torch.randn(3, model.packed_head.in_features).to(BF16)
+    packed = torch.ops.aten._weight_int8pack_mm(x, model.packed_head.qweight, model.packed_head.scales)
+    assert torch.equal(model.packed_head.packed_mm(x), packed)
+    speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size, 2), 1)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,8 +13,9 @@ import torch
 from specdraft.config import ModelConfig
 from specdraft.device import dtype_name, resolve_device, resolve_dtype, resolve_weights
 from specdraft.loading import load_folder, resolve_model
+from specdraft.models import int8_head
 from specdraft.models.compile import compile_steps
-from specdraft.models.quant import compact_weights
+from specdraft.models.quant import INT8_PACK_MULTIPLE, Int8Head, compact_weights
 from specdraft.tokenizer import Tokenizer
 
 
@@ -29,6 +32,24 @@ def generation_eos_ids(folder: Path) -> list[int]:
 
 
 CPU_SPECULATE_BELOW = 4
+
+
+def _warm_up_int8_head(head: Int8Head, progress: bool) -> None:
+    """Compile the int8 head's loops now, so no generation is timed with a compile in it; say so
+    when it took a while (the first run on a machine, before Inductor's cache has them)."""
+    t0 = time.perf_counter()
+    try:
+        int8_head.warm_up(head.in_features)
+    except Exception as e:  # Inductor needs a C++ compiler; without one every head call takes the packed kernel
+        if head.in_features % INT8_PACK_MULTIPLE:
+            raise
+        head.compiled = False
+        print(f"specdraft: note: the compiled int8 LM head is unavailable ({type(e).__name__}); "
+              "using torch's packed int8 kernel, about 2x slower there", file=sys.stderr)
+        return
+    seconds = time.perf_counter() - t0
+    if progress and seconds > 5:
+        print(f"specdraft: compiled the int8 LM head in {seconds:.0f} s (cached for later runs)", file=sys.stderr)
 
 
 @dataclass
@@ -55,6 +76,8 @@ class Runtime:
         folder = resolve_model(name_or_path, progress)
         model, cfg, notes = load_folder(folder, dt, dev)
         compact_weights(model, fmt)
+        if isinstance(getattr(model, "packed_head", None), Int8Head):
+            _warm_up_int8_head(model.packed_head, progress)
         if compile:
             compile_steps(model, announce=progress)
         eos = cfg.eos_token_ids + generation_eos_ids(folder)

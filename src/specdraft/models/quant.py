@@ -101,8 +101,11 @@ class Int8Head(Int8Linear):
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
         super().__init__(weight, None, dtype)
         self.register_buffer("scales_f32", self.scales.float())
+        self.compiled = True  # False: every call on the packed kernel (no C++ compiler here)
 
     def packed_mm(self, rows: torch.Tensor) -> torch.Tensor:
+        if not self.compiled:
+            return super().packed_mm(rows)
         return int8_head.int8_head_scores(rows, self.qweight, self.scales_f32)
 
 
@@ -165,8 +168,7 @@ def compact_weights(model: nn.Module, fmt: str) -> None:
                     setattr(child, attr, compact_linear(sub, fmt, dtype))
     head = model.head_weight
     if fmt == "int8" or head.shape[1] % INT4_GROUP:  # the compiled int8 head takes any width
-        model.packed_head = Int8Head(head, dtype)
-        int8_head.warm_up(head.shape[1])  # compile now, not inside the first timed step
+        model.packed_head = Int8Head(head, dtype)  # compiles on first use; Runtime.load warms it up
     else:
         model.packed_head = Int4Linear(head, None, dtype)
 

@@ -319,6 +319,12 @@ def test_every_subcommand_refuses_bad_input_in_one_line(capsys, tmp_path) -> Non
     _assert_one_line_usage_error(capsys, ["no-such-command"])
 
 
+def test_weights_names_the_flag_of_a_missing_file(tmp_path: Path, capsys) -> None:
+    code = main(["weights", "--texts", str(tmp_path / "missing")])
+    assert code == 2
+    assert "--texts file" in capsys.readouterr().err
+
+
 def test_steps_prints_a_row_per_width_and_batch(model_dir: Path, capsys) -> None:
     code = main(["steps", "--model", str(model_dir), "--dtype", "float32", "--device", "cpu", "--widths", "1,3",
                  "--batch-sizes", "1,2", "--context", "8", "--repeats", "2"])

@@ -24,9 +24,10 @@ class Question:
     text: str
 
 
-def read_questions(path: Path) -> list[Question]:
-    """Spec-Bench JSONL, JSONL with "prompt", or plain text with one prompt per line."""
-    records, lines = read_records(path, "questions file")
+def read_questions(path: Path, what: str = "questions file") -> list[Question]:
+    """Spec-Bench JSONL, JSONL with "prompt", or plain text with one prompt per line; `what`
+    names the file in errors (the flag the user gave it with)."""
+    records, lines = read_records(path, what)
     if records is None:
         return [Question(str(n), "all", line) for n, line in enumerate(lines)]
     questions = []

@@ -38,8 +38,8 @@ def run(args) -> int:
         raise SpecdraftError(f"--formats takes int8 and/or int4, got {args.formats!r}")
     if min(args.limit, args.text_tokens, args.max_new_tokens) < 1:
         raise SpecdraftError("--limit, --text-tokens and --max-new-tokens must be >= 1")
-    texts_q = read_questions(args.texts)[: args.limit]
-    prompts_q = read_questions(args.prompts)[: args.limit] if args.prompts else []
+    texts_q = read_questions(args.texts, "--texts file")[: args.limit]
+    prompts_q = read_questions(args.prompts, "--prompts file")[: args.limit] if args.prompts else []
     args.weights = "dtype"
     reference = load_target(args)
     texts = [reference.tokenizer.encode(q.text)[: args.text_tokens] for q in texts_q]

@@ -16,26 +16,22 @@ dynamic sizes so that any head shape reuses it.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 ROW_GROUP = 4  # query rows that share one pass over the weights
 
 
-def _rows_kernel(rows: int):
+@functools.cache
+def _kernel(rows: int):
+    """The compiled scorer for a group of `rows` query rows (one per group size, built once)."""
+
     def scores(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """x float32 [rows, K], qweight int8 [V, K], scales float32 [V] -> float32 [rows, V]."""
         return torch.stack([(qweight * x[i]).sum(-1) * scales for i in range(rows)])
 
     return torch.compile(scores, dynamic=True, fullgraph=True)
-
-
-_KERNELS: dict[int, object] = {}
-
-
-def _kernel(rows: int):
-    if rows not in _KERNELS:
-        _KERNELS[rows] = _rows_kernel(rows)
-    return _KERNELS[rows]
 
 
 def int8_head_scores(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -54,8 +54,9 @@ def stack_probs(steps: list, vocab: int) -> torch.Tensor | SparseProbs | None:
 
 
 class MTPDrafter(Drafter):
-    """min_confidence (default: the drafter config's): a row stops drafting after a token the drafter gave less than this
-    probability (among the tokens it scored); the round stops when every row has stopped. A
+    """min_confidence (default: the drafter config's): a row stops drafting after a token the
+    drafter gave less than this probability (among the tokens it scored); the round stops when
+    every row has stopped. A
     late draft after an unsure one is rarely accepted, and each costs a drafter step and a
     wider verify. The choice reads only the drafter's own outputs, so sampling stays exact."""
 

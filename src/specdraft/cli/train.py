@@ -89,6 +89,18 @@ def _register_eval(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    p.add_argument("--min-confidence", type=float, default=None,
+                   help="override the drafter's early stop (a row stops drafting after a draft it gave less "
+                        "than this probability); 0 drafts K tokens every round (default: the drafter config's)")
+    p.add_argument("--top-k-clusters", type=int, default=None,
+                   help="override the clusters the clustered head keeps per draft step (default: the drafter's)")
+    p.add_argument("--gap", action="store_true",
+                   help="explain teacher-forced vs engine acceptance instead (greedy, batch 1, one JSON line per "
+                        "K): the target answers each prompt by plain greedy decoding; the drafter is scored "
+                        "teacher-forced on those answers (every anchor, and only where replayed decoding starts "
+                        "rounds), then the engine decodes the same prompts, reporting acceptance, cluster "
+                        "recall at top 32/64 in real decoding and per-anchor agreement with the teacher-forced "
+                        "computation; --min-confidence defaults to 0 here")
     p.set_defaults(run=run_eval)
 
 
@@ -305,12 +317,37 @@ def run_eval(args) -> int:
         raise SpecdraftError(f"--temperatures expects numbers like 0,1; got {args.temperatures!r}") from None
     for t in temps:
         SamplingParams(t)  # refuses NaN, infinities and negatives before the model loads
+    if args.min_confidence is not None and not 0 <= args.min_confidence <= 1:  # NaN fails too
+        raise SpecdraftError(f"--min-confidence {args.min_confidence} must be between 0 and 1 (0: no early stop)")
+    if args.top_k_clusters is not None and args.top_k_clusters < 1:
+        raise SpecdraftError(f"--top-k-clusters {args.top_k_clusters} must be >= 1")
     rt = load_target(args)
     path = args.drafter_path or shipped_drafter_path(rt.name)
     if path is None:
         raise SpecdraftError(f"no drafter ships for {rt.name!r}: give --drafter-path")
     drafter, _, _ = load_drafter(rt, args.drafter, str(path), None)
     prompts = read_prompts(args.prompts)[: args.limit]
+    mtp = getattr(drafter, "mtp", drafter)  # mtp+ngram wraps the MTP drafter
+    if args.top_k_clusters is not None:
+        head = mtp.net.masked_embedding
+        if head is None:
+            raise SpecdraftError("--top-k-clusters: this drafter has a dense head (no clusters)")
+        if not 1 <= args.top_k_clusters <= head.num_centroids:
+            raise SpecdraftError(f"--top-k-clusters must be between 1 and {head.num_centroids}")
+        head.top_k = args.top_k_clusters
+    if args.gap:
+        from specdraft.training.evaluate import acceptance_gap
+
+        if args.drafter != "mtp":
+            raise SpecdraftError("--gap measures the MTP drafter alone: use --drafter mtp")
+        min_conf = 0.0 if args.min_confidence is None else args.min_confidence
+        for k in ks:
+            report = acceptance_gap(rt, drafter, prompts, k, args.max_new_tokens, min_conf,
+                                    log=lambda m: print(m, file=sys.stderr))
+            print(json.dumps({"weights": rt.weights, "dtype": rt.dtype_name, **report}), flush=True)
+        return 0
+    if args.min_confidence is not None:
+        mtp.min_confidence = args.min_confidence
     rows = evaluate_drafter(rt, drafter, prompts, ks, temps, args.max_new_tokens, args.batch_size)
     for r in rows:
         acc = [None if a is None else round(a, 3) for a in r.acceptance_by_position]

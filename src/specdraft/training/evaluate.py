@@ -34,6 +34,14 @@ def encode_eval_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     return [format_prompt(tokenizer, p, BASE_TEMPLATE if i % 2 else None) for i, p in enumerate(prompts)]
 
 
+def fixed_k_engine(rt, drafter, k: int):
+    """An engine that drafts K tokens every round (the drafter's own early stop aside): what a
+    measurement of a drafter at K means. Runtime.engine may choose widths by a cost model."""
+    from specdraft.speculative.engine import Engine
+
+    return Engine(rt.model, rt.tokenizer, drafter, k, speculate_below=rt.speculate_below)
+
+
 def evaluate_drafter(rt, drafter, prompts: list[str], ks: list[int], temperatures: list[float],
                      max_new_tokens: int = 128, batch_size: int = 8, seed: int = 0) -> list[EvalRow]:
     ids = encode_eval_prompts(rt.tokenizer, prompts)
@@ -41,7 +49,7 @@ def evaluate_drafter(rt, drafter, prompts: list[str], ks: list[int], temperature
     runs = [(k, t) for t in temperatures for k in ks]
     with tqdm(total=len(runs) * len(ids), desc="eval-drafter", unit="prompt") as bar:
         for k, temp in runs:
-            engine = rt.engine(drafter, k)
+            engine = fixed_k_engine(rt, drafter, k)
             stats, seconds = [], 0.0
             for start in range(0, len(ids), batch_size):
                 t0 = time.perf_counter()
@@ -57,7 +65,7 @@ def evaluate_drafter(rt, drafter, prompts: list[str], ks: list[int], temperature
 
 
 def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps: int, kv_heads: dict[int, int],
-                              device: torch.device, chunk: int = 8) -> dict:
+                              device: torch.device, chunk: int = 8, per_sequence: list | None = None) -> dict:
     """For every answer position t: draft K steps from (x(t+1), h_t) with the real inference
     head, count the leading steps whose pick equals the target's argmax. Returns the implied
     tau for this K, acceptance per position, and cluster recall per position.
@@ -65,7 +73,11 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
     Averaging over every anchor overstates what decoding sees: a real round starts right after
     the target corrected the drafter, often in a hard stretch. So on the greedy answers we also
     replay decoding itself (start at the prompt's end, accept the anchor's prefix, jump past
-    it) and report that tau as `decoding_tau`; it predicts the engine's greedy tau."""
+    it) and report that tau as `decoding_tau`; it predicts the engine's greedy tau.
+    `decoding_acceptance_by_position` is the acceptance by position at those replayed anchors
+    only (conditional on the earlier drafts, as `acceptance_by_position`), so the two differ
+    only in where rounds start. `per_sequence`, when a list, receives {anchor t: (accepted
+    drafts, first draft)} for every sequence (the per-anchor check against the engine uses it)."""
     if not seqs:
         return {}
     accepted_prefix, anchors_total = 0, 0
@@ -74,6 +86,8 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
     pos_seen = torch.zeros(k_steps)
     recall = torch.zeros(k_steps)
     valid_seen = torch.zeros(k_steps)
+    dec_ok = torch.zeros(k_steps)
+    dec_seen = torch.zeros(k_steps)
     target = drafter.target
     dtype = target.head_weight.dtype
     for start in range(0, len(seqs), chunk):
@@ -86,6 +100,8 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
         state = batch.hidden.gather(1, batch.anchors[:, :, None].expand(-1, -1, batch.hidden.shape[2]))
         alive = batch.anchor_valid.clone()
         prefix = torch.zeros_like(batch.anchors)
+        reached, accepted = [], []  # per step [b, a]: the step was drafted (earlier ones right) / also right
+        first_pick = None
         for k in range(k_steps):
             pos = batch.anchors + 1 + k
             valid = batch.anchor_valid & (pos <= batch.lengths[:, None] - 2)
@@ -96,25 +112,41 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
             pick = logits.argmax(-1)
             pick = (pick if cands is None else cands.gather(1, pick[:, None]).squeeze(1)).view(b, a)
             want = batch.topk_ids[:, :, 0].gather(1, pos)
+            if k == 0:
+                first_pick = pick
             ok = (pick == want) & valid
             if cands is not None:
                 recall[k] += ((cands.view(b, a, -1) == want[:, :, None]).any(-1) & valid).sum()
             valid_seen[k] += valid.sum()
             pos_seen[k] += (alive & valid).sum()
             pos_ok[k] += (alive & ok).sum()
+            reached.append(alive & valid)
+            accepted.append(alive & ok)
             alive &= ok
             prefix += alive.long()
         accepted_prefix += int(prefix[batch.anchor_valid].sum())
         anchors_total += int(batch.anchor_valid.sum())
         for i, seq in enumerate(group):
+            if per_sequence is not None:
+                v = batch.anchor_valid[i]
+                per_sequence.append(dict(zip(batch.anchors[i][v].tolist(),
+                                             zip(prefix[i][v].tolist(), first_pick[i][v].tolist()))))
             if seq.temperature == 0:
-                tokens, rounds = replay_greedy_decoding(batch.anchors[i], batch.anchor_valid[i], prefix[i], seq.prompt_length)
+                visited: list[int] = []
+                tokens, rounds = replay_greedy_decoding(batch.anchors[i], batch.anchor_valid[i], prefix[i],
+                                                        seq.prompt_length, visited)
                 chain_tokens, chain_rounds = chain_tokens + tokens, chain_rounds + rounds
+                cols = [j for j, t in enumerate(batch.anchors[i].tolist()) if t in set(visited) and batch.anchor_valid[i, j]]
+                for k in range(k_steps):
+                    dec_seen[k] += reached[k][i, cols].sum()
+                    dec_ok[k] += accepted[k][i, cols].sum()
     seen_any = pos_seen.clamp(min=1)
     return {
         "tau": round(1 + accepted_prefix / max(1, anchors_total), 4),
         "decoding_tau": round(chain_tokens / chain_rounds, 4) if chain_rounds else None,
         "acceptance_by_position": [round(x, 4) for x in (pos_ok / seen_any).tolist()],
+        "decoding_acceptance_by_position": [round(o / n, 4) if n else None for o, n in
+                                            zip(dec_ok.tolist(), dec_seen.tolist())] if chain_rounds else None,
         "cluster_recall": [round(x, 4) for x in (recall / valid_seen.clamp(min=1)).tolist()]
         if drafter.net.masked_embedding is not None else None,
         "anchors": anchors_total,
@@ -122,13 +154,185 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
 
 
 def replay_greedy_decoding(anchors: torch.Tensor, valid: torch.Tensor, prefix: torch.Tensor,
-                           prompt_length: int) -> tuple[int, int]:
+                           prompt_length: int, visited: list[int] | None = None) -> tuple[int, int]:
     """(tokens emitted, rounds) of greedy speculative decoding over one recorded greedy answer,
-    given each anchor's accepted draft length: a round at t emits prefix[t] + 1 tokens."""
+    given each anchor's accepted draft length: a round at t emits prefix[t] + 1 tokens.
+    `visited`, when a list, receives the anchors where rounds start."""
     accepted = dict(zip(anchors[valid].tolist(), prefix[valid].tolist()))
     tokens = rounds = 0
     t = prompt_length - 1
     while t in accepted:
+        if visited is not None:
+            visited.append(t)
         rounds, tokens = rounds + 1, tokens + accepted[t] + 1
         t += accepted[t] + 1
     return tokens, rounds
+
+
+# --- where training-time and decoding acceptance part (issue 12, item 1) ---------------------
+
+class RecordingDrafter(MTPDrafter):
+    """An MTPDrafter that drafts exactly as the one it wraps and records every round: the anchor
+    p, the token b, the drafts, and per draft step the clusters ranked first by the centroid
+    scorer (the top `record_clusters`, best first). Cluster recall in real decoding is read off
+    these records against the text the target emitted (`decoding_records`)."""
+
+    def __init__(self, base: MTPDrafter, record_clusters: int = 64, min_confidence: float | None = None):
+        super().__init__(base.net, base.target, base.sources,
+                         base.min_confidence if min_confidence is None else min_confidence)
+        self.recommended_k = base.recommended_k
+        self.record_clusters = record_clusters
+        self.rounds: list[dict] = []
+        self._steps: list[torch.Tensor] = []
+
+    def logits(self, z: torch.Tensor, state: torch.Tensor):
+        head = self.net.masked_embedding
+        if head is not None:
+            n = min(max(self.record_clusters, head.top_k), head.num_centroids)
+            self._steps.append(torch.topk(head.centroids(z).float(), n, dim=-1).indices.cpu())
+        return super().logits(z, state)
+
+    def propose(self, inp, k, sampling, generator):
+        self._steps = []
+        draft = super().propose(inp, k, sampling, generator)
+        self.rounds.append({"position": inp.position.tolist(), "last_token": inp.last_token.tolist(),
+                            "drafts": draft.tokens.tolist(), "num_valid": draft.num_valid.tolist(),
+                            "clusters": [s.tolist() for s in self._steps]})
+        return draft
+
+
+def decoding_records(rounds: list[dict], sequence: list[int], k: int, top_ks: tuple[int, ...],
+                     cluster_of_token: torch.Tensor | None) -> dict:
+    """Counts over one row's rounds (batch 1) given the row's whole greedy text `sequence`
+    (prompt + output): per draft position j, rounds that reached it (drafts 1..j-1 right) and
+    had a target token there, drafts accepted, and target tokens inside the top-n clusters of
+    that step for each n in top_ks; plus each round's accepted drafts by anchor."""
+    reached = [0] * k
+    right = [0] * k
+    inside = {n: [0] * k for n in top_ks}
+    miss_outside = {n: [0] * k for n in top_ks}  # rejected drafts whose target token was outside the top n
+    by_anchor: dict[int, int] = {}
+    first: dict[int, int | None] = {}
+    for r in rounds:
+        p, b = r["position"][0], r["last_token"][0]
+        if p + 1 >= len(sequence) or sequence[p + 1] != b:
+            raise AssertionError(f"round at p={p}: b={b} is not the emitted token at p+1")
+        drafts = r["drafts"][0][: r["num_valid"][0]]
+        n_ok = 0
+        for j, d in enumerate(drafts):
+            if p + 2 + j >= len(sequence):
+                break
+            want = sequence[p + 2 + j]
+            reached[j] += 1
+            if cluster_of_token is not None and j < len(r["clusters"]):
+                ranked = r["clusters"][j][0]
+                c = int(cluster_of_token[want])
+                for n in top_ks:
+                    hit = c in ranked[:n]
+                    inside[n][j] += hit
+                    miss_outside[n][j] += (d != want) and not hit
+            if d != want:
+                break
+            right[j] += 1
+            n_ok += 1
+        by_anchor[p] = n_ok
+        first[p] = drafts[0] if drafts else None
+    return {"reached": reached, "right": right, "inside": inside, "miss_outside": miss_outside, "by_anchor": by_anchor,
+            "first_draft": first}
+
+
+def acceptance_gap(rt, drafter: MTPDrafter, prompts: list[str], k: int, max_new_tokens: int = 96,
+                   min_confidence: float | None = 0.0, top_ks: tuple[int, ...] = (32, 64), log=None) -> dict:
+    """Everything issue 12 asks to explain the teacher-forced / engine gap, on the same prompts
+    and the same target configuration (`rt`: its dtype and weight format), batch 1, greedy:
+
+    - the target answers each prompt by plain greedy decoding, recording hidden states and K/V
+      as training data does (`data.record_answers`), and the drafter is scored teacher-forced on
+      those answers: tau and acceptance over every anchor, the replayed decoding tau, and the
+      acceptance at the replayed anchors only (where rounds start);
+    - the engine decodes the same prompts with the same drafter (min_confidence overridden,
+      default 0: K drafts every round, as the replay assumes), recording each round: tau,
+      acceptance by position conditional on the earlier drafts (comparable with the
+      teacher-forced numbers), and cluster recall at each top-n in top_ks;
+    - per anchor: how often the engine accepted exactly as many drafts as the teacher-forced
+      computation at the same anchor of the same text (1.0 = the two run the drafter alike).
+    """
+    from specdraft.training.clustering import cluster_of
+    from specdraft.training.data import read_slots, record_answers
+
+    ids = encode_eval_prompts(rt.tokenizer, prompts)
+    slots = read_slots(rt.model)
+    eos = set(rt.tokenizer.eos_token_ids)
+    seqs = []
+    for i, p in enumerate(ids):
+        rec = record_answers(rt.model, [p], max_new_tokens, 0.0, i, slots, 8, eos)[0]
+        seqs.append(Sequence(tokens=rec["tokens"].long(), prompt_length=rec["prompt_length"], temperature=0.0,
+                             hidden=rec["hidden"], keys={s: rec[f"k.{s}"] for s in slots},
+                             values={s: rec[f"v.{s}"] for s in slots}, topk_ids=rec["topk_ids"].long(),
+                             topk_logp=rec["topk_logp"]))
+    kv_heads = {s.slot: s.num_kv_heads for s in drafter.sources}
+    per_seq: list[dict] = []
+    with torch.inference_mode():
+        tf = teacher_forced_acceptance(drafter, seqs, k, kv_heads, rt.device, chunk=4, per_sequence=per_seq)
+    if log:
+        log(f"teacher-forced: {tf}")
+
+    rec = RecordingDrafter(drafter, max(top_ks), min_confidence)
+    head = drafter.net.masked_embedding
+    clusters = cluster_of(head.token_ordering.cpu(), head.num_centroids) if head is not None else None
+    engine = fixed_k_engine(rt, rec, k)
+    stats = []
+    reached, right = [0] * k, [0] * k
+    inside = {n: [0] * k for n in top_ks}
+    miss_outside = {n: [0] * k for n in top_ks}
+    agree = first_agree = compared = same_text = 0
+    for i, p in enumerate(ids):
+        rec.rounds = []
+        out = engine.generate([p], max_new_tokens, SamplingParams(temperature=0.0, seed=0))[0]
+        stats.append(out.stats)
+        text = list(p) + list(out.token_ids)
+        counts = decoding_records(rec.rounds, text, k, top_ks, clusters)
+        for j in range(k):
+            reached[j] += counts["reached"][j]
+            right[j] += counts["right"][j]
+            for n in top_ks:
+                inside[n][j] += counts["inside"][n][j]
+                miss_outside[n][j] += counts["miss_outside"][n][j]
+        recorded = seqs[i].tokens.tolist()
+        # Compare anchors only while the engine's text equals the recorded one up to the round's
+        # last draft (bf16 with unquantised weights may part from plain decoding at a near-tie).
+        same = next((j for j, (a, b) in enumerate(zip(text, recorded)) if a != b), min(len(text), len(recorded)))
+        same_text += same == min(len(text), len(recorded))
+        for t, n_ok in counts["by_anchor"].items():
+            if t in per_seq[i] and t + 2 + k <= same:
+                compared += 1
+                agree += per_seq[i][t][0] == n_ok
+                first_agree += per_seq[i][t][1] == counts["first_draft"][t]
+        if log:
+            log(f"prompt {i}: engine tau {out.stats.mean_accepted:.3f}, {len(rec.rounds)} rounds, text equal to "
+                f"plain decoding: {same == min(len(text), len(recorded))}")
+    total = merge(stats)
+    rounds = total.target_forwards - len(stats)  # minus the prefills
+    acc = [right[j] / reached[j] if reached[j] else None for j in range(k)]
+    # tau implied by the engine's own rounds, counted as the replay counts (no prefill, no first token)
+    engine_rounds_tau = (total.new_tokens - len(stats)) / rounds if rounds else None
+    return {
+        "k": k, "prompts": len(ids), "max_new_tokens": max_new_tokens, "min_confidence": rec.min_confidence,
+        "top_k_clusters": head.top_k if head is not None else None,
+        "teacher_forced_tau": tf.get("tau"), "teacher_forced_acceptance": tf.get("acceptance_by_position"),
+        "replay_tau": tf.get("decoding_tau"), "replay_acceptance": tf.get("decoding_acceptance_by_position"),
+        "teacher_forced_cluster_recall": tf.get("cluster_recall"),
+        "engine_tau": round(total.mean_accepted, 4),
+        "engine_tau_rounds_only": round(engine_rounds_tau, 4) if engine_rounds_tau else None,
+        "engine_acceptance": [None if a is None else round(a, 4) for a in acc],
+        "engine_acceptance_unconditional": [None if a is None else round(a, 4) for a in total.acceptance_by_position],
+        "engine_cluster_recall": {n: [round(inside[n][j] / reached[j], 4) if reached[j] else None for j in range(k)]
+                                  for n in top_ks} if clusters is not None else None,
+        "engine_rejections_outside_clusters": {n: [round(miss_outside[n][j] / (reached[j] - right[j]), 4)
+                                                   if reached[j] > right[j] else None for j in range(k)]
+                                               for n in top_ks} if clusters is not None else None,
+        "anchors_compared": compared, "anchors_agreeing": round(agree / compared, 4) if compared else None,
+        "first_drafts_agreeing": round(first_agree / compared, 4) if compared else None,
+        "texts_equal_to_plain": f"{same_text}/{len(ids)}",
+        "engine_rounds": rounds,
+    }

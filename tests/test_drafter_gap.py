@@ -1,0 +1,89 @@
+"""Explaining the training / decoding acceptance gap (issue 12, item 1).
+
+The teacher-forced metric averages over every answer position as an anchor; real decoding
+starts rounds only where the previous round ended. `teacher_forced_acceptance` replays greedy
+decoding over a recorded answer and reports acceptance at the replayed anchors;
+`acceptance_gap` then runs the engine on the same prompts with a recording drafter. On a tiny
+float32 target the replay must predict the engine exactly: same anchors, same first draft,
+same accepted count at every anchor, same acceptance by position.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+from specdraft.drafters.mtp.drafter import MTPDrafter
+from specdraft.training.evaluate import acceptance_gap, decoding_records, replay_greedy_decoding
+
+
+def test_replay_reports_where_rounds_start():
+    anchors = torch.arange(4, 12)
+    prefix = torch.tensor([2, 3, 3, 0, 2, 3, 3, 1])
+    valid = torch.ones(8, dtype=torch.bool)
+    visited: list[int] = []
+    assert replay_greedy_decoding(anchors, valid, prefix, 5, visited) == (3 + 1 + 3 + 2, 4)
+    assert visited == [4, 7, 8, 11]
+
+
+def test_decoding_records_count_conditional_acceptance_and_cluster_recall():
+    # Sequence positions 0..9; rounds at p = 2 (b = x3) and p = 5 (b = x6). Clusters: token // 2.
+    seq = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    cluster_of = torch.arange(32) // 2
+    rounds = [
+        # drafts x4 (right), 99 (wrong, x5 = 15 in cluster 7, ranked 2nd), never reached third
+        {"position": [2], "last_token": [13], "drafts": [[14, 3, 1]], "num_valid": [3],
+         "clusters": [[[7, 1]], [[0, 7]], [[1, 2]]]},
+        # first draft wrong; x7 = 17 in cluster 8, not in the ranked clusters at all
+        {"position": [5], "last_token": [16], "drafts": [[5, 5, 5]], "num_valid": [3],
+         "clusters": [[[3, 4]], [[0, 1]], [[0, 1]]]},
+    ]
+    c = decoding_records(rounds, seq, 3, (1, 2), cluster_of)
+    assert c["reached"] == [2, 1, 0] and c["right"] == [1, 0, 0]
+    # Position 1: round 1's x4 = 14 is cluster 7, ranked first; round 2's cluster 8 is absent.
+    assert c["inside"] == {1: [1, 0, 0], 2: [1, 1, 0]}
+    assert c["miss_outside"] == {1: [1, 1, 0], 2: [1, 0, 0]}
+    assert c["by_anchor"] == {2: 1, 5: 0} and c["first_draft"] == {2: 14, 5: 5}
+    with pytest.raises(AssertionError):  # b must be the token emitted at p + 1
+        decoding_records([dict(rounds[0], last_token=[99])], seq, 3, (1,), cluster_of)
+
+
+@pytest.mark.parametrize("clustered", [False, True])
+def test_replayed_decoding_predicts_the_engine_exactly_in_float32(gemma_tiny, tmp_path, clustered):
+    from specdraft.runtime import Runtime
+
+    rt = Runtime.load(str(gemma_tiny.folder), "float32", "cpu", progress=False, weights="dtype")
+    target = rt.model
+    cfg = drafter_config_for(target, hidden=32, layers=2, heads=4, head="target", clustered=clustered,
+                             num_centroids=16 if clustered else None, top_k_clusters=4)
+    save_network(init_network(cfg, target, seed=3, std=0.2), tmp_path / "d")
+    d = load_mtp_drafter(tmp_path / "d", target, torch.float32, "cpu")
+    drafter = MTPDrafter(d.net, d.target, d.sources, min_confidence=0.9)  # the gap run overrides it to 0
+    # A random drafter is never right, which would leave positions 2..K untested. Both paths call
+    # net.step; make its next state the input token's embedding, so the (tied) head drafts "the
+    # same token again", which the tiny target's greedy loops accept.
+    real_step = d.net.step
+
+    def repeat_step(emb, state, contexts):
+        z, _ = real_step(emb, state, contexts)
+        return z, emb
+
+    d.net.step = repeat_step
+    prompts = ["The quick brown fox", "def return The quick", "brown fox def"]
+    k = 3
+    r = acceptance_gap(rt, drafter, prompts, k, max_new_tokens=20, top_ks=(4, 8))
+    json.dumps(r)  # the CLI prints it as one JSON line
+    assert r["min_confidence"] == 0.0 and r["texts_equal_to_plain"] == "3/3"
+    assert r["anchors_compared"] > 0 and r["anchors_agreeing"] == 1.0 and r["first_drafts_agreeing"] == 1.0
+    # Acceptance at the replayed anchors is the engine's acceptance (both conditional on earlier drafts).
+    assert r["replay_acceptance"] == r["engine_acceptance"]
+    if clustered:
+        recall = r["engine_cluster_recall"]
+        assert all(0 <= x <= 1 for x in recall[4] if x is not None)
+        # More kept clusters never lose the target's token.
+        assert all(b >= a for a, b in zip(recall[4], recall[8]) if a is not None)
+    else:
+        assert r["engine_cluster_recall"] is None

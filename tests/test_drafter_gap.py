@@ -51,8 +51,8 @@ def test_decoding_records_count_conditional_acceptance_and_cluster_recall():
         decoding_records([dict(rounds[0], last_token=[99])], seq, 3, (1,), cluster_of)
 
 
-@pytest.mark.parametrize("clustered", [False, True])
-def test_replayed_decoding_predicts_the_engine_exactly_in_float32(gemma_tiny, tmp_path, clustered):
+@pytest.mark.parametrize("clustered,min_confidence", [(False, 0.0), (True, 0.0), (False, None), (True, None)])
+def test_replayed_decoding_predicts_the_engine_exactly_in_float32(gemma_tiny, tmp_path, clustered, min_confidence):
     from specdraft.runtime import Runtime
 
     rt = Runtime.load(str(gemma_tiny.folder), "float32", "cpu", progress=False, weights="dtype")
@@ -61,7 +61,8 @@ def test_replayed_decoding_predicts_the_engine_exactly_in_float32(gemma_tiny, tm
                              num_centroids=16 if clustered else None, top_k_clusters=4)
     save_network(init_network(cfg, target, seed=3, std=0.2), tmp_path / "d")
     d = load_mtp_drafter(tmp_path / "d", target, torch.float32, "cpu")
-    drafter = MTPDrafter(d.net, d.target, d.sources, min_confidence=0.9)  # the gap run overrides it to 0
+    # min_confidence None: the drafter's early stop, which the replay must then model as the engine runs it.
+    drafter = MTPDrafter(d.net, d.target, d.sources, min_confidence=0.01)
     # A random drafter is never right, which would leave positions 2..K untested. Both paths call
     # net.step; make its next state the input token's embedding, so the (tied) head drafts "the
     # same token again", which the tiny target's greedy loops accept.
@@ -74,9 +75,9 @@ def test_replayed_decoding_predicts_the_engine_exactly_in_float32(gemma_tiny, tm
     d.net.step = repeat_step
     prompts = ["The quick brown fox", "def return The quick", "brown fox def"]
     k = 3
-    r = acceptance_gap(rt, drafter, prompts, k, max_new_tokens=20, top_ks=(4, 8))
+    r = acceptance_gap(rt, drafter, prompts, k, max_new_tokens=20, min_confidence=min_confidence, top_ks=(4, 8))
     json.dumps(r)  # the CLI prints it as one JSON line
-    assert r["min_confidence"] == 0.0 and r["texts_equal_to_plain"] == "3/3"
+    assert r["min_confidence"] == (0.01 if min_confidence is None else 0.0) and r["texts_equal_to_plain"] == "3/3"
     assert r["anchors_compared"] > 0 and r["anchors_agreeing"] == 1.0 and r["first_drafts_agreeing"] == 1.0
     # Acceptance at the replayed anchors is the engine's acceptance (both conditional on earlier drafts).
     assert r["replay_acceptance"] == r["engine_acceptance"]

@@ -11,8 +11,8 @@ import torch
 
 from tqdm import tqdm
 
-from specdraft.drafters.mtp.drafter import MTPDrafter, layer_contexts
-from specdraft.sampling import SamplingParams
+from specdraft.drafters.mtp.drafter import GREEDY_CONFIDENCE, MTPDrafter, layer_contexts
+from specdraft.sampling import SamplingParams, probabilities
 from specdraft.speculative.stats import merge
 from specdraft.training.data import Sequence
 from specdraft.training.objective import collate, to_device
@@ -65,7 +65,8 @@ def evaluate_drafter(rt, drafter, prompts: list[str], ks: list[int], temperature
 
 
 def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps: int, kv_heads: dict[int, int],
-                              device: torch.device, chunk: int = 8, per_sequence: list | None = None) -> dict:
+                              device: torch.device, chunk: int = 8, per_sequence: list | None = None,
+                              min_confidence: float | None = None) -> dict:
     """For every answer position t: draft K steps from (x(t+1), h_t) with the real inference
     head, count the leading steps whose pick equals the target's argmax. Returns the implied
     tau for this K, acceptance per position, and cluster recall per position.
@@ -73,11 +74,16 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
     Averaging over every anchor overstates what decoding sees: a real round starts right after
     the target corrected the drafter, often in a hard stretch. So on the greedy answers we also
     replay decoding itself (start at the prompt's end, accept the anchor's prefix, jump past
-    it) and report that tau as `decoding_tau`; it predicts the engine's greedy tau.
+    it) and report that tau as `decoding_tau`; it predicts the engine's greedy tau. The replay
+    runs the drafter as the engine does: with its early stop (`min_confidence`, default the
+    drafter's: no drafts after one it gave less probability), and counted as the engine counts
+    (tokens per target forward, the prefill and the token it emits included).
     `decoding_acceptance_by_position` is the acceptance by position at those replayed anchors
-    only (conditional on the earlier drafts, as `acceptance_by_position`), so the two differ
-    only in where rounds start. `per_sequence`, when a list, receives {anchor t: (accepted
-    drafts, first draft)} for every sequence (the per-anchor check against the engine uses it)."""
+    only (conditional on the earlier drafts, as `acceptance_by_position`), so with
+    min_confidence 0 the two differ only in where rounds start. `tau` and
+    `acceptance_by_position` always draft K tokens (the training-time metric). `per_sequence`,
+    when a list, receives {anchor t: (drafts the replay accepts, first draft)} for every
+    sequence (the per-anchor check against the engine uses it)."""
     if not seqs:
         return {}
     accepted_prefix, anchors_total = 0, 0
@@ -88,6 +94,7 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
     valid_seen = torch.zeros(k_steps)
     dec_ok = torch.zeros(k_steps)
     dec_seen = torch.zeros(k_steps)
+    min_conf = drafter.min_confidence if min_confidence is None else min_confidence
     target = drafter.target
     dtype = target.head_weight.dtype
     for start in range(0, len(seqs), chunk):
@@ -100,6 +107,10 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
         state = batch.hidden.gather(1, batch.anchors[:, :, None].expand(-1, -1, batch.hidden.shape[2]))
         alive = batch.anchor_valid.clone()
         prefix = torch.zeros_like(batch.anchors)
+        # Decoding as the engine runs it: a step is drafted while no earlier draft was unsure.
+        drafting = batch.anchor_valid.clone()
+        dec_alive = batch.anchor_valid.clone()
+        dec_prefix = torch.zeros_like(batch.anchors)
         reached, accepted = [], []  # per step [b, a]: the step was drafted (earlier ones right) / also right
         first_pick = None
         for k in range(k_steps):
@@ -120,22 +131,28 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
             valid_seen[k] += valid.sum()
             pos_seen[k] += (alive & valid).sum()
             pos_ok[k] += (alive & ok).sum()
-            reached.append(alive & valid)
-            accepted.append(alive & ok)
             alive &= ok
             prefix += alive.long()
+            reached.append(dec_alive & valid & drafting)
+            accepted.append(dec_alive & ok & drafting)
+            dec_alive &= ok & drafting
+            dec_prefix += dec_alive.long()
+            if min_conf > 0:
+                q = probabilities(logits, GREEDY_CONFIDENCE).gather(1, logits.argmax(-1, keepdim=True)).view(b, a)
+                drafting &= q >= min_conf
         accepted_prefix += int(prefix[batch.anchor_valid].sum())
         anchors_total += int(batch.anchor_valid.sum())
         for i, seq in enumerate(group):
             if per_sequence is not None:
                 v = batch.anchor_valid[i]
                 per_sequence.append(dict(zip(batch.anchors[i][v].tolist(),
-                                             zip(prefix[i][v].tolist(), first_pick[i][v].tolist()))))
+                                             zip(dec_prefix[i][v].tolist(), first_pick[i][v].tolist()))))
             if seq.temperature == 0:
                 visited: list[int] = []
-                tokens, rounds = replay_greedy_decoding(batch.anchors[i], batch.anchor_valid[i], prefix[i],
+                tokens, rounds = replay_greedy_decoding(batch.anchors[i], batch.anchor_valid[i], dec_prefix[i],
                                                         seq.prompt_length, visited)
-                chain_tokens, chain_rounds = chain_tokens + tokens, chain_rounds + rounds
+                if rounds:  # the engine's count: the prefill is a target forward and emits a token
+                    chain_tokens, chain_rounds = chain_tokens + tokens + 1, chain_rounds + rounds + 1
                 cols = [j for j, t in enumerate(batch.anchors[i].tolist()) if t in set(visited) and batch.anchor_valid[i, j]]
                 for k in range(k_steps):
                     dec_seen[k] += reached[k][i, cols].sum()
@@ -251,7 +268,7 @@ def acceptance_gap(rt, drafter: MTPDrafter, prompts: list[str], k: int, max_new_
       those answers: tau and acceptance over every anchor, the replayed decoding tau, and the
       acceptance at the replayed anchors only (where rounds start);
     - the engine decodes the same prompts with the same drafter (min_confidence overridden,
-      default 0: K drafts every round, as the replay assumes), recording each round: tau,
+      default 0: K drafts every round; None keeps the drafter's; the replay uses the same), recording each round: tau,
       acceptance by position conditional on the earlier drafts (comparable with the
       teacher-forced numbers), and cluster recall at each top-n in top_ks;
     - per anchor: how often the engine accepted exactly as many drafts as the teacher-forced
@@ -273,7 +290,8 @@ def acceptance_gap(rt, drafter: MTPDrafter, prompts: list[str], k: int, max_new_
     kv_heads = {s.slot: s.num_kv_heads for s in drafter.sources}
     per_seq: list[dict] = []
     with torch.inference_mode():
-        tf = teacher_forced_acceptance(drafter, seqs, k, kv_heads, rt.device, chunk=4, per_sequence=per_seq)
+        tf = teacher_forced_acceptance(drafter, seqs, k, kv_heads, rt.device, chunk=4, per_sequence=per_seq,
+                                       min_confidence=min_confidence)
     if log:
         log(f"teacher-forced: {tf}")
 

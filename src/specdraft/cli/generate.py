@@ -60,8 +60,7 @@ def load_target(args, progress: bool = True):
 def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="auto", choices=DRAFTER_KINDS,
                    help="auto: mtp+ngram with the drafter shipped for this model if there is one, else none "
-                        "(on a CPU, rounds with 4 or more decoding rows run plain: verifying drafts for that many "
-                        "rows costs more than it returns there); "
+                        "(each round drafts only as many tokens as pay on this machine, see --draft-policy); "
                         "mtp: a Gemma-4-style MTP drafter from --drafter-path (default: the one shipped for the "
                         "model); ngram: prompt lookup (no weights); mtp+ngram: prompt lookup (up to 8 tokens, 3 "
                         "with packed weights) where the last 2-3 tokens "
@@ -72,7 +71,16 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
                         "name or path as for --model")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="tokens drafted per round, K (default: the drafter's recommended K, else 4; "
-                        "mtp+ngram: the MTP drafter's K, lookups propose up to 8)")
+                        "mtp+ngram: the MTP drafter's K, lookups propose up to 8); with the adaptive "
+                        "--draft-policy the most a round drafts")
+
+
+def add_policy_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-policy", default="adaptive", choices=["adaptive", "fixed"],
+                   help="adaptive (default): each round drafts the number of tokens (0 = a plain step) that "
+                        "maximises expected tokens per second, from step costs measured once on this machine "
+                        "(cached under $SPECDRAFT_CACHE/costs) and the acceptance each request has seen; "
+                        "fixed: K every round (on a CPU, plain rounds from 4 decoding rows on)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -93,6 +101,7 @@ def register(sub) -> None:
     p.add_argument("prompt", nargs="?", help="the prompt; '-' reads it from stdin")
     add_model_args(p)
     add_drafter_args(p)
+    add_policy_arg(p)
     add_sampling_args(p)
     p.add_argument("--stop", action="append", default=[], help="stop when this string appears (repeatable)")
     p.add_argument("--prompts-file", type=Path,
@@ -147,7 +156,7 @@ def run(args) -> int:
     drafter, kind, k = load_drafter(rt, args.drafter, args.drafter_path, args.draft_tokens, load_runtime=Runtime.load)
     for note in ignored_flags(args, kind):
         print(f"specdraft: note: {note}", file=sys.stderr)
-    engine = rt.engine(drafter, k)
+    engine = rt.engine(drafter, k, policy=args.draft_policy, progress=True)
     if args.chat and rt.tokenizer.chat_template is None:
         print(f"specdraft: note: {args.model} has no chat template; using plain text", file=sys.stderr)
     chat = args.chat and rt.tokenizer.chat_template is not None

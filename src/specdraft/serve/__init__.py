@@ -14,19 +14,20 @@ from specdraft.serve.app import ServedModel, create_app
 
 def load_served(model: str, drafter: str, dtype: str, device: str, max_batch_size: int, max_context: int,
                 drafter_path: str | None = None, draft_tokens: int | None = None, weights: str = "auto",
-                compile: bool = False) -> ServedModel:
-    """Load the target and drafter and build the engine the server drives (compiled graphs are
-    built here, before the port opens, so no request waits on the compiler)."""
+                compile: bool = False, draft_policy: str = "adaptive") -> ServedModel:
+    """Load the target and drafter and build the engine the server drives (compiled graphs and
+    the draft policy's step costs are measured here, before the port opens, so no request waits)."""
     from specdraft.drafters import load_drafter
     from specdraft.runtime import Runtime
-    from specdraft.speculative.engine import Engine
 
     rt = Runtime.load(model, dtype, device, weights=weights, compile=compile)
     if compile:
         rt.model.compiled_step.warm_up(max_batch_size)
     found, kind, k = load_drafter(rt, drafter, drafter_path, draft_tokens, load_runtime=Runtime.load)
-    engine = Engine(rt.model, rt.tokenizer, found, k, max_batch_size=max_batch_size, capacity=max_context,
-                    speculate_below=rt.speculate_below)
+    engine = rt.engine(found, k, policy=draft_policy, progress=True, max_batch_size=max_batch_size,
+                       capacity=max_context)
+    if found is not None:
+        engine.policy.prepare(rt.model, found, max_batch_size, engine.k, engine.width)
     return ServedModel(model, engine, rt.tokenizer, kind, k if found is not None else 0)
 
 

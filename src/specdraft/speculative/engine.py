@@ -12,7 +12,8 @@ Rows live in the slots of one preallocated cache: slots [0, n_dec) decode, the s
 hold requests still prefilling (chunk by chunk, so a long prompt never stalls the others for more
 than one chunk per step). A finished row leaves at once: the last decoding row moves into its
 slot, so a round always covers the contiguous rows 0..n_dec-1 and no compute goes to dead rows.
-`generate()` is the same engine driven to completion for one batch.
+`generate()` is the same engine driven to completion for one batch. How many drafts a round
+carries (0: a plain round) is the draft policy's choice (policy.py): fixed K, or adaptive.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingParams, probabilities
+from specdraft.speculative.policy import DraftPolicy, FixedPolicy
 from specdraft.speculative.request import GenerationResult, Request, SamplingGroup
 from specdraft.speculative.stats import RequestStats, Timer
 from specdraft.speculative.stops import StopChecker
@@ -41,8 +43,9 @@ class _Row:
     """A request's host-side state while the engine holds it."""
 
     def __init__(self, req: Request, group: SamplingGroup, eos: set[int], stops: StopChecker | None, k: int,
-                 times: dict[str, float]):
+                 times: dict[str, float], acceptance=None):
         self.req, self.group, self.eos, self.stops = req, group, eos, stops
+        self.acceptance = acceptance  # the draft policy's estimates for this request (policy.py)
         self.ids: list[int] = []
         self.prefilled = 0  # prompt tokens in the cache
         self.position = -1  # p: the cache holds 0..p (decoding rows)
@@ -55,12 +58,14 @@ class _Row:
 class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None = None,
                  drafter: Drafter | None = None, draft_tokens: int = 4, max_batch_size: int = 8,
-                 capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, speculate_below: int | None = None):
+                 capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, speculate_below: int | None = None,
+                 policy: DraftPolicy | None = None):
         """`capacity`: positions per row (prompt + new tokens + a round of drafts) for requests
         added with `add`; default the model's context. `generate` sizes its own batch.
-        `speculate_below`: draft only while fewer rows than this decode; a fuller batch runs plain
-        rounds (on a CPU, verifying K+1 tokens for many rows costs more than it saves; see
-        Runtime.speculate_below). None: always draft."""
+        `policy`: how many drafts each round verifies (speculative/policy.py); `draft_tokens` is
+        then the most the MTP drafter proposes. Default: a FixedPolicy, the drafter's full width
+        every round, except plain rounds from `speculate_below` decoding rows on (None: never);
+        `speculate_below` is read by that default only."""
         if drafter is not None and not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpecdraftError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {draft_tokens}")
         self.model = model
@@ -72,6 +77,7 @@ class Engine:
         self.serve_capacity = min(capacity or self.max_context(), self.max_context())
         self.prefill_chunk = prefill_chunk
         self.speculate_below = speculate_below
+        self.policy = policy if policy is not None else FixedPolicy(self.width, speculate_below)
         self.timer = Timer(self.device)
         self.waiting: deque[_Row] = deque()
         self.slots: list[_Row] = []  # slots[:n_dec] decode, the rest prefill
@@ -97,7 +103,8 @@ class Engine:
         eos = set(req.eos_token_ids if req.eos_token_ids is not None else
                   (self.tokenizer.eos_token_ids if self.tokenizer else []))
         stops = StopChecker(self._decode, req.stop) if req.stop and self.tokenizer is not None else None
-        self.waiting.append(_Row(req, group, eos, stops, self.width, self.timer.totals))
+        self.waiting.append(_Row(req, group, eos, stops, self.width, self.timer.totals,
+                                 self.policy.new_row(self._source(False), self._mixes_lookups(), req.prompt)))
 
     @torch.inference_mode()
     def abort(self, request_id: int) -> GenerationResult | None:
@@ -204,6 +211,8 @@ class Engine:
         self.ones = torch.ones(rows + 1, dtype=torch.bool, device=dev)
         self.rows_max = rows
         if self.drafter is not None:
+            # The policy may time the drafter on scratch state first: prepare the drafter after it.
+            self.policy.prepare(self.model, self.drafter, rows, self.k, self.width)
             self.drafter.prepare(rows + 1, capacity + spare)
 
     def _admit(self) -> None:
@@ -313,8 +322,9 @@ class Engine:
         cache = self.cache.rows(0, n)
         last, position = self.last[:n], self.position[:n]
         with timer.phase("draft"):
+            width = self.policy.choose([r.acceptance for r in rows]) if self.drafter is not None else 0
             draft = self._draft(DraftInput(last, self.hidden[:n], position, cache, self.tokens[:n], self.ones[:n]),
-                                rows)
+                                rows, width)
         kk = draft.tokens.shape[1]
         with timer.phase("verify"):
             out = self.model(torch.cat([last[:, None], draft.tokens], dim=1), cache)
@@ -343,6 +353,7 @@ class Engine:
                 for j in range(a):
                     s.accepted_by_position[j] += 1
                 source = self._source(bool(h[kk + 3]))
+                self.policy.observe(row.acceptance, source if kk else None, valid, a)
                 self._emit(row, h[: a + 1], [source] * a + ["target"])
             self._remove_finished()
 
@@ -352,16 +363,24 @@ class Engine:
             return "lookup"
         return "mtp" if kind == "mtp" or kind == "mtp+ngram" else "draft"
 
-    def _draft(self, inp: DraftInput, rows: list[_Row]) -> Draft:
+    def _mixes_lookups(self) -> bool:
+        """Whether some rounds' drafts are prompt lookups and others the drafter's own (mtp+ngram)."""
+        return self.drafter is not None and "+ngram" in self.drafter.kind
+
+    def _draft(self, inp: DraftInput, rows: list[_Row], width: int) -> Draft:
+        """Up to `width` drafts per row (0: a plain round); the drafter runs at most min(width, K) steps."""
         n = inp.last_token.shape[0]
-        if self.drafter is None or (self.speculate_below is not None and n >= self.speculate_below):
+        if self.drafter is None or width == 0:
             return Draft(inp.last_token.new_zeros(n, 0), inp.last_token.new_zeros(n))
         # Drafts are sampled from the drafter's distribution only when the whole round shares one
         # random stream (generate()); otherwise argmax drafts, verified as a point-mass Q.
         group = rows[0].group
+        k = min(width, self.k)
         if group.sample_drafts and not group.params.greedy and all(r.group is group for r in rows):
-            return self.drafter.propose(inp, self.k, group.params, group.generator)
-        return self.drafter.propose(inp, self.k, GREEDY, None)
+            draft = self.drafter.propose(inp, k, group.params, group.generator)
+        else:
+            draft = self.drafter.propose(inp, k, GREEDY, None)
+        return _truncate(draft, width)
 
     def _scores(self, hidden: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
         """What verification reads: when every row is greedy only the argmax matters, so the head's
@@ -403,6 +422,7 @@ class Engine:
 
     def _emit(self, row: _Row, new: list[int], sources: list[str]) -> None:
         """Append a round's tokens to a row, cutting at EOS, max_new_tokens or a stop string."""
+        self.policy.extend(row.acceptance, new)
         new = new[: row.req.max_new_tokens - len(row.ids)]
         for j, t in enumerate(new):
             if t in row.eos:
@@ -434,6 +454,15 @@ class Engine:
         ttft = row.first_token_at - row.arrived if row.first_token_at else now - row.arrived
         return GenerationResult(list(row.req.prompt), row.ids, text, reason, s, now - row.arrived, ttft,
                                 row.group.seed, row.req.id)
+
+
+def _truncate(draft: Draft, width: int) -> Draft:
+    """The first `width` drafts of each row (lookups may propose more than the policy wants). A
+    prefix of sequentially drawn drafts is itself an exact draw, so sampling stays exact."""
+    if draft.tokens.shape[1] <= width:
+        return draft
+    probs = draft.probs[:, :width] if draft.probs is not None else None
+    return Draft(draft.tokens[:, :width], draft.num_valid.clamp(max=width), probs, draft.lookup)
 
 
 def _row_callback(on_tokens: Callable[[int, list[int]], None] | None, i: int):

@@ -1,0 +1,380 @@
+"""How many drafts a round verifies: a fixed K, or the width that pays most on this machine.
+
+A round of width W costs drafting plus one target forward of W+1 tokens per row, and emits per
+row 1 + sum_{i<=W} prod_{j<=i} a_j tokens on average (a_j: the chance draft j is accepted once
+drafts 1..j-1 were). The adaptive policy picks the W (0 = a plain step) with the most expected
+tokens per second, from
+
+- a cost model measured here: target forward seconds by (rows, width) and drafter seconds per
+  step, profiled once on scratch caches and kept on disk under $SPECDRAFT_CACHE/costs, keyed by
+  everything that changes them (model, weights, dtype, device, torch, threads, CPU);
+- per-row acceptance estimates, one per draft source (prompt lookup and the MTP drafter accept
+  very differently), updated from each round's accepted counts; for mtp+ngram, which source a
+  row's next drafts come from is read off its emitted tokens (a lookup needs a repeated bigram).
+
+A row that stops drafting keeps no evidence, so its estimates drift back to the prior during
+plain rounds: a row whose text turns predictable again gets probed now and then, at the cost of
+one wide round every few dozen plain ones. The choice reads only past tokens and counts, so
+greedy output and sampling stay exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from specdraft.drafters.base import Drafter, DraftInput
+from specdraft.sampling import SamplingParams
+
+# Conditional per-position acceptance before a row has any evidence. Optimistic on purpose: a
+# pessimistic prior would never draft and so never learn otherwise.
+PRIOR = {"lookup": 0.75, "mtp": 0.6, "draft": 0.6}
+LEARNING_RATE = 0.25  # weight of one round's outcome in a row's estimate
+RELAX = 0.01  # per plain round: how far unobserved estimates move back towards the prior (a failed
+# probe then costs one wide round in a few dozen plain ones)
+MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (estimates are noisy)
+PROFILE_CONTEXT = 128  # cached tokens in the scratch cache the costs are timed over
+PROFILE_REPEATS = 2  # timed calls per cell; the fastest counts (other processes only add time)
+
+
+class DraftPolicy:
+    """The engine asks `choose` for each round's width and reports back through `observe`."""
+
+    def prepare(self, model: torch.nn.Module, drafter: Drafter | None, rows: int, k: int, width: int) -> None:
+        """Called before a batch of up to `rows` rows starts (before the drafter's own prepare)."""
+
+    def new_row(self, source: str, lookups: bool = False, prompt: list[int] = ()) -> "RowAcceptance | None":
+        """Per-request state, kept by the engine with the request. `source`: where the drafter's
+        own drafts come from ("mtp", "lookup", "draft"); `lookups`: it also proposes prompt lookups."""
+        return None
+
+    def extend(self, state, tokens: list[int]) -> None:
+        """Tokens the row emitted (host ints the engine has anyway)."""
+
+    def choose(self, states: list) -> int:
+        """The round's width W for these decoding rows' states: 0 = a plain step."""
+        raise NotImplementedError
+
+    def observe(self, state, source: str | None, drafted: int, accepted: int) -> None:
+        """A row's round: `drafted` drafts verified (0 for a plain round), `accepted` of them taken."""
+
+
+class FixedPolicy(DraftPolicy):
+    """Always the drafter's full width (K; wider for prompt lookups), except that from
+    `speculate_below` decoding rows on a round runs plain (None: never)."""
+
+    def __init__(self, width: int, speculate_below: int | None = None):
+        self.width, self.speculate_below = width, speculate_below
+
+    def choose(self, states: list) -> int:
+        if self.speculate_below is not None and len(states) >= self.speculate_below:
+            return 0
+        return self.width
+
+
+class RowAcceptance:
+    """A request's acceptance estimates per draft source and position, and whether its next
+    drafts will be a prompt lookup: the lookup drafter proposes where the sequence's last 2 tokens
+    occurred before, which the host can tell from the tokens it already holds (no device sync)."""
+
+    def __init__(self, source: str, lookups: bool, prompt: list[int] = ()):
+        self.source, self.lookups = source, lookups  # lookups: the drafter mixes them in (mtp+ngram)
+        self.rates: dict[str, list[float]] = {}
+        self._seen: set[tuple[int, int]] = set()  # every bigram but the last
+        self._last: tuple[int, ...] = ()
+        if lookups:
+            self.extend(prompt)
+
+    def extend(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if len(self._last) == 2:
+                self._seen.add(self._last)
+            self._last = (self._last + (t,))[-2:]
+
+    @property
+    def next_source(self) -> str:
+        """Where the next round's drafts most likely come from."""
+        return "lookup" if self.lookups and self._last in self._seen else self.source
+
+
+class AdaptivePolicy(DraftPolicy):
+    """W maximising expected tokens / (draft(W) + verify(n, W + 1)) each round (see the module doc).
+    `costs`: an object with ensure(model, drafter, rows, k, width), verify(n, w) -> seconds and
+    draft(n, steps) -> seconds (MeasuredCosts here; tests pass their own)."""
+
+    def __init__(self, costs, prior: dict[str, float] | None = None, margin: float = MARGIN):
+        self.costs, self.prior, self.margin = costs, dict(prior or PRIOR), margin
+        self.k = self.width = 0
+
+    def prepare(self, model: torch.nn.Module, drafter: Drafter | None, rows: int, k: int, width: int) -> None:
+        self.k, self.width = k, width
+        if drafter is not None:
+            self.costs.ensure(model, drafter, rows, k, width)
+
+    def cap(self, source: str) -> int:
+        """Most drafts a row of this source carries: lookups may go past the MTP drafter's K."""
+        return self.width if source == "lookup" else self.k
+
+    def new_row(self, source: str, lookups: bool = False, prompt: list[int] = ()) -> RowAcceptance:
+        return RowAcceptance(source, lookups, prompt)
+
+    def extend(self, state: RowAcceptance | None, tokens: list[int]) -> None:
+        if state is not None and state.lookups:
+            state.extend(tokens)
+
+    def _rates(self, state: RowAcceptance, source: str) -> list[float]:
+        if source not in state.rates:
+            state.rates[source] = [self.prior.get(source, 0.5)] * self.cap(source)
+        return state.rates[source]
+
+    def _expected(self, rates: list[float]) -> list[float]:
+        out, reach = [1.0], 1.0
+        for w in range(1, self.width + 1):
+            reach = reach * rates[w - 1] if w <= len(rates) else 0.0  # no drafts past the source's cap
+            out.append(out[-1] + reach)
+        return out
+
+    def expected_tokens(self, state: RowAcceptance) -> list[float]:
+        """[W = 0..width] -> expected tokens this row emits in a round of width W."""
+        return self._expected(self._rates(state, state.next_source))
+
+    def choose(self, states: list) -> int:
+        n = len(states)
+        if self.width == 0 or n == 0:
+            return 0
+        gains = [0.0] * (self.width + 1)
+        drafter_runs = False  # when every row looks up, the drafter itself does not run
+        for s in states:
+            for w, e in enumerate(self.expected_tokens(s)):
+                gains[w] += e
+            drafter_runs |= s.next_source != "lookup"
+        best, best_rate = 0, n / self.costs.verify(n, 1) * (1 + self.margin)
+        for w in range(1, self.width + 1):
+            draft = self.costs.draft(n, min(w, self.k)) if drafter_runs else 0.0
+            rate = gains[w] / (draft + self.costs.verify(n, w + 1))
+            if rate > best_rate:
+                best, best_rate = w, rate
+        return best
+
+    def observe(self, state: RowAcceptance | None, source: str | None, drafted: int, accepted: int) -> None:
+        if state is None:
+            return
+        if source is None:
+            # A plain round, no evidence: drift back towards the priors so the row gets re-tried.
+            for src, rates in state.rates.items():
+                prior = self.prior.get(src, 0.5)
+                rates[:] = [r + RELAX * (prior - r) for r in rates]
+            return
+        rates = self._rates(state, source)
+        # Draft j was judged only if drafts 1..j-1 were accepted: positions 1..accepted passed,
+        # position accepted+1 failed (a lookup without a match counts as a failed first draft);
+        # later ones say nothing.
+        for j in range(min(accepted + 1, max(drafted, 1), len(rates))):
+            hit = 1.0 if j < accepted else 0.0
+            rates[j] += LEARNING_RATE * (hit - rates[j])
+
+
+# --- the measured cost model --------------------------------------------------------------------
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_key(model_name: str, folder: str, weights: str, dtype: str, device: torch.device) -> dict:
+    """Everything a step's time depends on, as the cache key (a change means re-profiling)."""
+    return {
+        "model": model_name, "folder": str(folder), "weights": weights, "dtype": dtype, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(),
+    }
+
+
+def costs_dir() -> Path:
+    from specdraft.loading.presets import cache_root
+
+    return cache_root() / "costs"
+
+
+def drafter_key(drafter: Drafter) -> str:
+    inner = getattr(drafter, "mtp", drafter)  # mtp+ngram: lookups are free, the MTP steps cost
+    return f"{type(inner).__name__}:{inner.kind}:{inner.nbytes()}"
+
+
+def row_buckets(rows: int) -> list[int]:
+    """Batch sizes profiled for up to `rows` rows: powers of two up to the first >= rows."""
+    out = [1]
+    while out[-1] < rows:
+        out.append(out[-1] * 2)
+    return out
+
+
+def profiled_widths(width: int) -> list[int]:
+    """Query widths timed for rounds of up to `width` drafts: every one up to 6 (where packed
+    kernels jump), then sparser (interpolated in between)."""
+    top = width + 1
+    return sorted({w for w in range(1, min(top, 6) + 1)} | set(range(6, top, 3)) | {top})
+
+
+def _interpolate(table: dict[int, float], x: int) -> float:
+    keys = sorted(table)
+    if x in table:
+        return table[x]
+    lo = max((k for k in keys if k < x), default=keys[0])
+    hi = min((k for k in keys if k > x), default=keys[-1])
+    if lo == hi:
+        return table[lo] * x / lo  # past the table: proportional
+    return table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
+
+
+class MeasuredCosts:
+    """Seconds per target forward by (rows, width) and per drafter step by rows, timed on this
+    machine the first time they are needed and cached as JSON (`key` + tables) in `folder`."""
+
+    def __init__(self, key: dict, folder: Path | None = None, progress: bool = False):
+        self.key, self.progress = key, progress
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        self.path = (folder or costs_dir()) / f"{digest}.json"
+        self.target: dict[int, dict[int, float]] = {}
+        self.drafts: dict[str, dict[int, list[float]]] = {}  # drafter key -> rows -> [base s, per-step s]
+        self.drafter = ""
+        self.profiled = 0  # cells timed by this process (tests read it)
+        self._load()
+
+    def _load(self) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return
+        if data.get("key") != self.key:  # a hash collision or a hand-edited file: trust nothing
+            return
+        self.target = {int(n): {int(w): s for w, s in t.items()} for n, t in data.get("target", {}).items()}
+        self.drafts = {d: {int(n): v for n, v in t.items()} for d, t in data.get("drafts", {}).items()}
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": self.key, "target": self.target, "drafts": self.drafts}, indent=1))
+        tmp.replace(self.path)  # atomic: a concurrent reader sees the old table or the new one
+
+    def verify(self, n: int, w: int) -> float:
+        return _interpolate({b: _interpolate(t, w) for b, t in self.target.items()}, n)
+
+    def draft(self, n: int, steps: int) -> float:
+        if steps == 0:
+            return 0.0
+        table = self.drafts.get(self.drafter, {})
+        if not table:
+            return 0.0
+        base = _interpolate({b: v[0] for b, v in table.items()}, n)
+        step = _interpolate({b: v[1] for b, v in table.items()}, n)
+        return base + step * steps
+
+    @torch.inference_mode()
+    def ensure(self, model: torch.nn.Module, drafter: Drafter, rows: int, k: int, width: int) -> None:
+        """Time what is missing for batches of up to `rows` rows and rounds of up to `width` drafts."""
+        self.drafter = drafter_key(drafter)
+        widths = profiled_widths(width)
+        todo = [b for b in row_buckets(rows) if not set(widths) <= set(self.target.get(b, {}))
+                or b not in self.drafts.get(self.drafter, {})]
+        if not todo:
+            return
+        t0 = time.perf_counter()
+        for b in todo:
+            cache, hidden, tokens = _scratch(model, b, max(widths))
+            missing = [w for w in widths if w not in self.target.get(b, {})]
+            self.target.setdefault(b, {}).update(_time_target(model, cache, missing))
+            if b not in self.drafts.get(self.drafter, {}):
+                self.drafts.setdefault(self.drafter, {})[b] = _time_drafter(drafter, cache, hidden, tokens, k)
+            self.profiled += len(missing)
+        self.save()
+        if self.progress:
+            import sys
+
+            print(f"specdraft: measured step costs for batch sizes {todo} in {time.perf_counter() - t0:.0f} s "
+                  f"(cached in {self.path})", file=sys.stderr)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fastest(fn, device: torch.device, repeats: int = PROFILE_REPEATS) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _scratch(model: torch.nn.Module, rows: int, top: int):
+    """A cache holding PROFILE_CONTEXT random tokens per row, its last hidden states and the history."""
+    dev = model.embed_tokens.weight.device
+    ctx = min(PROFILE_CONTEXT, model.config.max_position_embeddings - top - 2)
+    cache = model.new_cache(rows, ctx + top + 2)
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model.config.vocab_size, (rows, ctx + top + 2), generator=gen).to(dev)
+    hidden = model(tokens[:, :ctx], cache)[:, -1]
+    return cache, hidden, tokens
+
+
+def _time_target(model: torch.nn.Module, cache, widths: list[int]) -> dict[int, float]:
+    """Seconds of one forward of w tokens per row plus the head, as greedy verification runs it."""
+    dev, start = model.embed_tokens.weight.device, list(cache.host_lengths)
+    out = {}
+    for w in widths:
+        tokens = torch.randint(0, model.config.vocab_size, (cache.batch_size, w),
+                               generator=torch.Generator().manual_seed(w)).to(dev)
+
+        def forward() -> None:
+            cache.rollback(start)
+            model.head_scores(model(tokens, cache)).float().argmax(-1)
+
+        forward()  # warm-up: first-call allocations and any compilation stay out of the timing
+        out[w] = _fastest(forward, dev)
+    cache.rollback(start)
+    return out
+
+
+def _time_drafter(drafter: Drafter, cache, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> list[float]:
+    """[fixed seconds per drafting round, seconds per drafter step] for these rows, from rounds of
+    1 and of k steps. The confidence stop is lifted meanwhile: random text would end rounds early."""
+    inner = getattr(drafter, "mtp", drafter)
+    rows, start = cache.batch_size, list(cache.host_lengths)
+    dev = tokens.device
+    position = torch.tensor(start, device=dev) - 1
+    active = torch.ones(rows, dtype=torch.bool, device=dev)
+    inp = DraftInput(tokens[:, start[0]], hidden, position, cache, tokens, active)
+    stop = getattr(inner, "min_confidence", None)
+    steps = max(2, k)
+    try:
+        if stop is not None:
+            inner.min_confidence = 0.0
+        inner.prepare(rows, cache.capacity)
+        for r in range(rows):
+            inner.reset_row(r)
+        greedy = SamplingParams()
+        inner.propose(inp, steps, greedy, None)  # warm-up
+        one = _fastest(lambda: inner.propose(inp, 1, greedy, None), dev)
+        many = _fastest(lambda: inner.propose(inp, steps, greedy, None), dev)
+    finally:
+        if stop is not None:
+            inner.min_confidence = stop
+        cache.rollback(start)
+    step = max(0.0, (many - one) / (steps - 1))
+    return [max(0.0, one - step), step]

@@ -1,0 +1,276 @@
+"""The draft policy: which width a round verifies, from a cost model and the acceptance seen.
+
+Choices are checked against injected cost tables (no timing); the measured cost model is checked
+for its cache (written, reloaded, re-profiled when the key differs), not for its numbers; the
+engine with the adaptive policy emits exactly plain greedy decoding's tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import OracleDrafter, prompts_of
+from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+from specdraft.drafters.mtp_lookup import MTPWithLookup
+from specdraft.drafters.ngram import NgramDrafter
+from specdraft.sampling import SamplingParams
+from specdraft.speculative.engine import Engine
+from specdraft.speculative.policy import (AdaptivePolicy, FixedPolicy, MeasuredCosts, cost_key, profiled_widths,
+                                          row_buckets)
+
+
+class FakeCosts:
+    """Seconds from formulas: verify(n, w) and draft(n, steps); `ensure` is a no-op, counted."""
+
+    def __init__(self, verify, draft=lambda n, steps: 0.0):
+        self.verify, self.draft, self.ensured = verify, draft, 0
+
+    def ensure(self, model, drafter, rows, k, width) -> None:
+        self.ensured += 1
+
+
+def policy_for(costs, k: int = 4, width: int | None = None, **kw) -> AdaptivePolicy:
+    p = AdaptivePolicy(costs, **kw)
+    p.prepare(None, None, 1, k, width or k)  # no drafter: nothing to measure
+    return p
+
+
+def test_free_width_picks_full_k():
+    """Verifying more tokens costs nothing and drafting is free: draft as many as allowed."""
+    p = policy_for(FakeCosts(lambda n, w: 1.0), k=5)
+    assert p.choose([p.new_row("mtp") for _ in range(3)]) == 5
+
+
+def test_expensive_verify_and_low_acceptance_run_plain():
+    """Each verified token costs a full step and drafts are rarely accepted: plain step."""
+    p = policy_for(FakeCosts(lambda n, w: float(w), lambda n, s: 0.1 * s), k=4, prior={"mtp": 0.2})
+    assert p.choose([p.new_row("mtp")]) == 0
+
+
+def test_draft_cost_counts():
+    """Cheap verify but a drafter step as dear as a target step: fewer drafts than K."""
+    costs = FakeCosts(lambda n, w: 1.0 + 0.05 * (w - 1), lambda n, s: 0.6 * s)
+    p = policy_for(costs, k=6, prior={"mtp": 0.8})
+    w = p.choose([p.new_row("mtp")])
+    assert 0 < w < 6
+    free = policy_for(FakeCosts(costs.verify), k=6, prior={"mtp": 0.8})
+    assert free.choose([free.new_row("mtp")]) > w
+
+
+def test_batch_size_enters_through_the_verify_cost():
+    """A verify whose cost grows with rows x width pays at batch 1 but not at batch 8."""
+    costs = FakeCosts(lambda n, w: 1.0 + 0.1 * n * (w - 1))
+    p = policy_for(costs, k=4, prior={"mtp": 0.5})
+    assert p.choose([p.new_row("mtp")]) > 0
+    assert p.choose([p.new_row("mtp") for _ in range(8)]) == 0
+
+
+def test_acceptance_updates_move_the_choice():
+    """Rejections push a row to plain rounds; plain rounds relax it back to the prior, so it is
+    probed again; acceptances widen it."""
+    p = policy_for(FakeCosts(lambda n, w: 1.0 + 0.2 * (w - 1)), k=4, prior={"mtp": 0.6})
+    row = p.new_row("mtp")
+    first = p.choose([row])
+    assert first > 0
+    for _ in range(10):
+        p.observe(row, "mtp", first, 0)  # position 1 always rejected
+    assert p.choose([row]) == 0
+    plain_rounds = 0
+    while p.choose([row]) == 0:
+        p.observe(row, None, 0, 0)
+        plain_rounds += 1
+        assert plain_rounds < 200, "a row that stopped drafting is never probed again"
+    assert plain_rounds > 5  # not at once: probing costs a wide round
+    for _ in range(20):
+        w = p.choose([row])
+        p.observe(row, "mtp", w, w)  # everything accepted
+    assert p.choose([row]) == 4
+    assert row.rates["mtp"][0] > 0.9
+
+
+def test_only_judged_positions_learn():
+    """Position j learns only when drafts 1..j-1 were accepted; undrafted positions stay put."""
+    p = policy_for(FakeCosts(lambda n, w: 1.0), k=4, prior={"mtp": 0.5})
+    row = p.new_row("mtp")
+    p.observe(row, "mtp", 3, 1)  # d1 accepted, d2 rejected, d3 unjudged, d4 not drafted
+    a = row.rates["mtp"]
+    assert a[0] > 0.5 and a[1] < 0.5 and a[2] == a[3] == 0.5
+
+
+def test_sources_are_tracked_apart():
+    """mtp+ngram: a row whose last two tokens occurred before will draft a lookup; accepted
+    lookups earn lookup-wide rounds (past the MTP drafter's K) without touching its MTP estimate,
+    and a fresh bigram sends it back to MTP-sized rounds."""
+    p = policy_for(FakeCosts(lambda n, w: 1.0 + 0.1 * (w - 1)), k=2, width=8,
+                   prior={"mtp": 0.3, "lookup": 0.5})
+    row = p.new_row("mtp", lookups=True, prompt=[5, 6, 7, 8])
+    assert row.next_source == "mtp" and 0 < p.choose([row]) <= 2
+    p.extend(row, [5, 6])  # ... 7 8 5 6: "5 6" occurred before
+    assert row.next_source == "lookup"
+    for _ in range(10):
+        p.observe(row, "lookup", 8, 8)
+    assert p.choose([row]) == 8
+    assert row.rates["mtp"] == [0.3, 0.3]
+    p.extend(row, [99])
+    assert row.next_source == "mtp" and p.choose([row]) <= 2
+
+
+def test_drafters_without_lookups_never_expect_them():
+    p = policy_for(FakeCosts(lambda n, w: 1.0), k=2, width=6, prior={"mtp": 0.5, "lookup": 0.8})
+    row = p.new_row("mtp", prompt=[1, 2, 1, 2])
+    p.extend(row, [1, 2])
+    assert row.next_source == "mtp"
+    e = p.expected_tokens(row)
+    assert e[6] == e[2] == pytest.approx(1.75)  # no MTP drafts past K
+    assert p.new_row("lookup").next_source == "lookup"  # the n-gram drafter: always lookups
+
+
+def test_a_lookup_without_match_counts_as_a_miss():
+    p = policy_for(FakeCosts(lambda n, w: 1.0), k=3, prior={"lookup": 0.8})
+    row = p.new_row("lookup")
+    p.observe(row, "lookup", 0, 0)  # a drafting round in which this row found nothing
+    assert row.rates["lookup"][0] < 0.8 and row.rates["lookup"][1] == 0.8
+
+
+def test_fixed_policy_is_k_with_the_row_rule():
+    assert FixedPolicy(5).choose([None] * 16) == 5
+    rule = FixedPolicy(3, speculate_below=4)
+    assert rule.choose([None] * 3) == 3 and rule.choose([None] * 4) == 0
+
+
+def test_profiled_grid():
+    assert row_buckets(1) == [1] and row_buckets(5) == [1, 2, 4, 8]
+    assert profiled_widths(3) == [1, 2, 3, 4]
+    assert profiled_widths(8)[:6] == [1, 2, 3, 4, 5, 6] and profiled_widths(8)[-1] == 9
+
+
+# --- the measured cost model's cache ------------------------------------------------------------
+
+def test_cost_cache_round_trip(gemma_tiny, tmp_path):
+    """Profiled once and written; a new process with the same key reloads without timing; a
+    different key (another thread count, say) is profiled afresh."""
+    model, drafter = gemma_tiny.ours, NgramDrafter()
+    key = cost_key("tiny", "folder", "dtype", "float32", torch.device("cpu"))
+    first = MeasuredCosts(key, tmp_path)
+    first.ensure(model, drafter, 3, 2, 2)
+    assert first.profiled > 0 and first.path.exists()
+    assert set(first.target) == {1, 2, 4} and set(first.target[4]) == {1, 2, 3}
+    saved = json.loads(first.path.read_text())
+    assert saved["key"] == key
+
+    again = MeasuredCosts(key, tmp_path)
+    again.ensure(model, drafter, 3, 2, 2)
+    assert again.profiled == 0
+    assert again.target == first.target and again.drafts == first.drafts
+    assert 0 < again.verify(3, 2) and again.verify(1, 3) == first.target[1][3]
+    # 3 rows lie between the profiled 2 and 4
+    lo, hi = sorted([again.target[2][2], again.target[4][2]])
+    assert lo <= again.verify(3, 2) <= hi
+
+    wider = MeasuredCosts(key, tmp_path)
+    wider.ensure(model, drafter, 3, 2, 4)  # longer rounds: only the missing widths are timed
+    assert wider.profiled == 3 * 2  # widths 4, 5 at 1, 2 and 4 rows
+
+    other = MeasuredCosts({**key, "threads": key["threads"] + 1}, tmp_path)
+    assert other.target == {}
+    other.ensure(model, drafter, 1, 2, 2)
+    assert other.profiled > 0 and other.path != first.path
+
+
+def test_cost_cache_ignores_a_file_with_another_key(gemma_tiny, tmp_path):
+    key = cost_key("tiny", "folder", "dtype", "float32", torch.device("cpu"))
+    costs = MeasuredCosts(key, tmp_path)
+    costs.path.write_text(json.dumps({"key": {**key, "torch": "0.0"}, "target": {"1": {"1": 9.0}}, "drafts": {}}))
+    reread = MeasuredCosts(key, tmp_path)
+    assert reread.target == {}
+    reread.ensure(gemma_tiny.ours, NgramDrafter(), 1, 1, 1)
+    assert reread.profiled > 0 and reread.target[1][1] != 9.0
+
+
+def test_runtime_builds_the_policy(tmp_path, monkeypatch):
+    """Runtime: adaptive by default, cached under $SPECDRAFT_CACHE/costs; fixed = the engine's own."""
+    from specdraft.runtime import Runtime
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    stub = SimpleNamespace(name="m", folder=tmp_path, weights="int8", dtype_name="bfloat16",
+                           device=torch.device("cpu"))
+    policy = Runtime.draft_policy(stub)
+    assert isinstance(policy, AdaptivePolicy) and policy.costs.path.parent == tmp_path / "costs"
+    assert policy.costs.key["weights"] == "int8" and policy.costs.key["threads"] == torch.get_num_threads()
+    assert Runtime.draft_policy(stub, "fixed") is None
+    with pytest.raises(ValueError):
+        Runtime.draft_policy(stub, "sometimes")
+
+
+# --- the engine under the adaptive policy -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mtp_lookup(gemma_tiny, tmp_path_factory):
+    target = gemma_tiny.ours
+    folder = tmp_path_factory.mktemp("policy-drafter")
+    cfg = drafter_config_for(target, hidden=32, layers=2, heads=4, head="target", clustered=True,
+                             num_centroids=16, top_k_clusters=4)
+    save_network(init_network(cfg, target, seed=3, std=0.1), folder / "d")
+    return MTPWithLookup(load_mtp_drafter(folder / "d", target, torch.float32, "cpu"), lookup_tokens=6)
+
+
+def switching_costs() -> FakeCosts:
+    """Width pays at small batches and only with good acceptance: rounds switch between plain,
+    narrow and wide as estimates move."""
+    return FakeCosts(lambda n, w: 1.0 + 0.08 * n * (w - 1), lambda n, s: 0.05 * s)
+
+
+@pytest.mark.parametrize("b", [1, 4])
+@pytest.mark.parametrize("name", ["mtp+ngram", "oracle-noisy"])
+def test_adaptive_engine_emits_plain_greedy_tokens(b, name, gemma_tiny, mtp_lookup):
+    model, vocab = gemma_tiny.ours, gemma_tiny.cfg.vocab_size
+    prompts = [p + p[:5] for p in prompts_of([7, 12, 3, 9][:b], vocab, seed=20 + b)]
+    max_new = 40
+    plain = [r.token_ids for r in Engine(model).generate(prompts, max_new, eos_token_ids=[])]
+    if name == "oracle-noisy":
+        seqs = [list(p) + o for p, o in zip(prompts, plain)]
+        drafter, k = OracleDrafter(seqs, noise=0.3, seed=1, vocab=vocab), 5
+    else:
+        drafter, k = mtp_lookup, 2
+    costs = switching_costs()
+    policy = AdaptivePolicy(costs, prior={"mtp": 0.45, "lookup": 0.6, "draft": 0.6})
+    widths = []
+    choose = policy.choose
+    policy.choose = lambda states: widths.append(choose(states)) or widths[-1]
+    results = Engine(model, None, drafter, k, policy=policy).generate(prompts, max_new, eos_token_ids=[])
+    assert [r.token_ids for r in results] == plain
+    assert costs.ensured == 1
+    # The policy did choose: rounds of different widths, drafts verified in some of them.
+    assert len(set(widths)) > 1 and max(widths) > 0
+    assert sum(r.stats.drafted for r in results) > 0
+
+
+def test_adaptive_engine_never_drafts_when_it_cannot_pay(gemma_tiny, mtp_lookup):
+    """Costs under which no width pays: every round is a plain step, same tokens."""
+    model, vocab = gemma_tiny.ours, gemma_tiny.cfg.vocab_size
+    prompts = prompts_of([7, 12, 3, 9], vocab, seed=5)
+    plain = [r.token_ids for r in Engine(model).generate(prompts, 16, eos_token_ids=[])]
+    policy = AdaptivePolicy(FakeCosts(lambda n, w: float(w), lambda n, s: 1.0 * s))
+    results = Engine(model, None, mtp_lookup, 2, policy=policy).generate(prompts, 16, eos_token_ids=[])
+    assert [r.token_ids for r in results] == plain
+    assert all(r.stats.drafted == 0 for r in results)
+
+
+def test_adaptive_engine_samples_with_truncated_drafts(gemma_tiny, mtp_lookup):
+    """At temperature > 0 a round narrower than the lookups is cut to a prefix (tokens and Q)
+    and the batch runs through; the same seed repeats the same text."""
+    model, vocab = gemma_tiny.ours, gemma_tiny.cfg.vocab_size
+    prompts = [p + p[:5] for p in prompts_of([7, 12], vocab, seed=8)]
+    sampling = SamplingParams(temperature=1.0, seed=3)
+
+    def run():
+        policy = AdaptivePolicy(FakeCosts(lambda n, w: 1.0 + 0.15 * (w - 1)), prior={"mtp": 0.5, "lookup": 0.5})
+        return [r.token_ids for r in Engine(model, None, mtp_lookup, 2, policy=policy).generate(
+            prompts, 24, sampling, eos_token_ids=[])]
+
+    first = run()
+    assert all(len(t) == 24 for t in first) and run() == first

@@ -70,12 +70,21 @@ def shortlist_from(seqs: list[Sequence], size: int) -> torch.Tensor:
     return torch.tensor([t for t, _ in counts.most_common(size)], dtype=torch.long)
 
 
-def autocast_for(device: torch.device):
+def _uses_bf16(device: torch.device) -> bool:
     from specdraft.device import cpu_has_bf16_units
 
-    if device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_units()):
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return nullcontext()
+    return device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_units())
+
+
+def autocast_for(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if _uses_bf16(device) else nullcontext()
+
+
+def batch_dtype(device: torch.device) -> torch.dtype:
+    """What training batches (target states and K/V) are collated in: bf16 where autocast runs the
+    drafter in bf16; float32 elsewhere (a CPU without bf16 units, e.g. AVX2 only), where the
+    float32 drafter would otherwise meet bf16 inputs."""
+    return torch.bfloat16 if _uses_bf16(device) else torch.float32
 
 
 class Trainer:
@@ -181,7 +190,7 @@ class Trainer:
         # Seeded by step and rank: a resumed run draws exactly the batches it would have.
         rng = random.Random(self.cfg.seed * 7_919 + step * 104_729 + self.rank)
         seqs = [self.train_seqs[rng.randrange(len(self.train_seqs))] for _ in range(self.cfg.batch_size)]
-        batch = collate(seqs, self.cfg.anchors_per_seq, self.kv_heads, rng, torch.bfloat16)
+        batch = collate(seqs, self.cfg.anchors_per_seq, self.kv_heads, rng, batch_dtype(self.device))
         return to_device(batch, self.device)
 
     def train(self) -> dict:

@@ -143,7 +143,9 @@ def test_query_position_is_constant_within_a_round(gemma_tiny, tmp_path) -> None
         for row, p in enumerate(inp.position.tolist()):
             cos, sin = rope_by_hand(theta, head_dim, p)
             assert torch.allclose(ctxs[0].cos[row, 0, 0].double(), cos, atol=1e-6)
-            assert torch.allclose(ctxs[0].sin[row, 0, 0].double(), sin, atol=1e-6)
+            # The table's sin comes signed for apply_rope: (-sin, +sin) over the two halves.
+            signed = torch.cat([-sin[: head_dim // 2], sin[head_dim // 2 :]])
+            assert torch.allclose(ctxs[0].sin[row, 0, 0].double(), signed, atol=1e-6)
     # The inputs differ between steps (the state carries the recurrence), the position does not.
     xs = [x for i, x, _, _ in calls if i == 0]
     assert not torch.equal(xs[0], xs[1])

@@ -20,13 +20,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim)) if with_scale else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # F.rms_norm computes x * rsqrt(mean(x^2) + eps) (* scale) as the references write it, in
+        # one call instead of five: a decode step runs ~110 norms, so the calls are what costs.
+        shape = (x.shape[-1],)
         if self.weight is None:
-            return normed.type_as(x)
+            return F.rms_norm(x.float(), shape, eps=self.eps).type_as(x)
         if self.offset:
-            return (normed * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * normed.type_as(x)
+            return F.rms_norm(x.float(), shape, 1.0 + self.weight.float(), self.eps).type_as(x)
+        return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).type_as(x)
 
 
 ACTIVATIONS = {

@@ -40,14 +40,16 @@ def test_packed_linear_computes_its_dequantised_weight(fmt: str) -> None:
         assert (layer(x).float() - ref).abs().max() <= 4 * 2**-8 * ref.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("fmt", PACKED)
-def test_a_rows_result_does_not_depend_on_the_number_of_rows(fmt: str) -> None:
+def test_a_rows_result_does_not_depend_on_the_number_of_rows(fmt: str, dtype: torch.dtype) -> None:
     """Row i of an M-row product has the same bits for every M up to a verify width: the
-    property that lets a K+1-row verification reproduce K+1 one-row steps exactly."""
+    property that lets a K+1-row verification reproduce K+1 one-row steps exactly (bf16 and
+    float32 activations; a dense float32 linear lacks it on AVX2-only CPUs)."""
     shapes = [(256, 640), (640, 2048), (4096, 640)] + ([(1000, 72)] if fmt == "int8-head" else [])
     for n, k in shapes:
-        layer = PACKED[fmt](weight(n, k, seed=n), None, BF16)
-        x = torch.randn(PACKED_MAX_ROWS, k, generator=torch.Generator().manual_seed(k)).to(BF16)
+        layer = PACKED[fmt](weight(n, k, seed=n), None, dtype)
+        x = torch.randn(PACKED_MAX_ROWS, k, generator=torch.Generator().manual_seed(k)).to(dtype)
         one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(PACKED_MAX_ROWS)])
         for m in range(2, PACKED_MAX_ROWS + 1):
             assert torch.equal(layer(x[:m]), one_by_one[:m]), (n, k, m)
@@ -66,15 +68,16 @@ def test_widths_no_packed_kernel_takes_stay_dense() -> None:
 def test_weights_choice_is_checked() -> None:
     cpu = torch.device("cpu")
     assert resolve_weights("auto", cpu, BF16) == "int8"
-    assert resolve_weights("auto", cpu, torch.float32) == "dtype"
-    with pytest.raises(SpecdraftError, match="bfloat16"):
-        resolve_weights("int8", cpu, torch.float32)
+    assert resolve_weights("auto", cpu, torch.float32) == "dtype"  # float32 stays the reference
+    assert resolve_weights("int8", cpu, torch.float32) == "int8"
+    with pytest.raises(SpecdraftError, match="packed CPU kernels"):
+        resolve_weights("int8", torch.device("cuda"), BF16)
     with pytest.raises(SpecdraftError, match="unknown weights"):
         resolve_weights("int3", cpu, BF16)
 
 
-def packed_tiny(tiny: TinyModel, fmt: str):
-    model, _, _ = load_folder(tiny.folder, BF16, "cpu")
+def packed_tiny(tiny: TinyModel, fmt: str, dtype: torch.dtype = BF16):
+    model, _, _ = load_folder(tiny.folder, dtype, "cpu")
     compact_weights(model, fmt)
     return model
 
@@ -111,6 +114,14 @@ def repetitive_prompts(vocab: int, n: int = 4) -> list[list[int]]:
 def test_bf16_int8_speculative_output_equals_plain(gemma_tiny: TinyModel, batch: int) -> None:
     """The default CPU configuration (bfloat16 activations, int8 weights) is exact, not just fp32."""
     model = packed_tiny(gemma_tiny, "int8")
+    speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size), batch)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_float32_int8_speculative_output_equals_plain(gemma_tiny: TinyModel, batch: int) -> None:
+    """int8 weights with float32 activations (`--dtype float32 --weights int8`, the fast choice on
+    CPUs without bf16 units) are exact too."""
+    model = packed_tiny(gemma_tiny, "int8", torch.float32)
     speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size), batch)
 
 

@@ -49,21 +49,24 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 WEIGHT_CHOICES = ("auto", "dtype", "int8", "int4")
+PACKABLE_DTYPES = (torch.bfloat16, torch.float32)  # what torch's packed CPU kernels take
 
 
 def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """How weights are stored: `dtype` (as --dtype says) or packed int8/int4 (bf16 CPUs only).
+    """How weights are stored: `dtype` (as --dtype says) or packed int8/int4 (CPU only).
 
     auto = int8 on a CPU in bfloat16: it halves the bytes every step reads and its kernel gives
-    a row the same bits whatever the number of rows (BENCHMARKS.md, weight formats)."""
+    a row the same bits whatever the number of rows (BENCHMARKS.md, weight formats). In float32
+    the packed kernels work too (`--weights int8`), but auto keeps float32 unquantised: it is the
+    exactness reference."""
     if name not in WEIGHT_CHOICES:
         raise SpecdraftError(f"unknown weights {name!r} (use {', '.join(WEIGHT_CHOICES)})")
-    packable = device.type == "cpu" and dtype == torch.bfloat16
+    packable = device.type == "cpu" and dtype in PACKABLE_DTYPES
     if name == "auto":
-        return "int8" if packable else "dtype"
+        return "int8" if packable and dtype == torch.bfloat16 else "dtype"
     if name in ("int8", "int4") and not packable:
-        raise SpecdraftError(f"--weights {name} runs on torch's packed CPU kernels in bfloat16; "
-                             f"use --dtype bfloat16 on the CPU, or --weights dtype")
+        raise SpecdraftError(f"--weights {name} runs on torch's packed CPU kernels; "
+                             f"use --device cpu, or --weights dtype")
     return name
 
 

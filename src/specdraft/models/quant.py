@@ -158,8 +158,8 @@ def compact_weights(model: nn.Module, fmt: str) -> None:
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r} (use {', '.join(WEIGHT_FORMATS)})")
     dtype = model.head_weight.dtype
-    if model.head_weight.device.type != "cpu" or dtype != torch.bfloat16:
-        raise ValueError(f"--weights {fmt} needs bfloat16 on the CPU (torch's packed kernels); "
+    if model.head_weight.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"--weights {fmt} needs the CPU in bfloat16 or float32 (torch's packed kernels); "
                          f"this model runs in {dtype} on {model.head_weight.device.type}")
     for layer in model.layers:
         for child in list(layer.modules()):

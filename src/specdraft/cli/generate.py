@@ -157,6 +157,8 @@ def run(args) -> int:
     for note in ignored_flags(args, kind):
         print(f"specdraft: note: {note}", file=sys.stderr)
     engine = rt.engine(drafter, k, policy=args.draft_policy, progress=True)
+    if drafter is not None:  # the adaptive policy's one-time step timings, outside the speed summary
+        engine.policy.prepare(rt.model, drafter, min(args.batch_size, len(prompts)), engine.k, engine.width)
     if args.chat and rt.tokenizer.chat_template is None:
         print(f"specdraft: note: {args.model} has no chat template; using plain text", file=sys.stderr)
     chat = args.chat and rt.tokenizer.chat_template is not None

@@ -34,8 +34,9 @@ from specdraft.sampling import SamplingParams
 
 # Conditional per-position acceptance before a row has any evidence. Optimistic on purpose: a
 # pessimistic prior would never draft and so never learn otherwise.
-PRIOR = {"lookup": 0.75, "mtp": 0.6, "draft": 0.6}
-LEARNING_RATE = 0.25  # weight of one round's outcome in a row's estimate
+PRIOR = {"lookup": 0.8, "mtp": 0.6, "draft": 0.6}
+LEARNING_RATE = 0.3  # weight of one round's outcome in a row's estimate
+POOL_RATE = 0.05  # the same for the engine-wide estimate a new request starts from
 RELAX = 0.01  # per plain round: how far unobserved estimates move back towards the prior (a failed
 # probe then costs one wide round in a few dozen plain ones)
 MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (estimates are noisy)
@@ -111,6 +112,9 @@ class AdaptivePolicy(DraftPolicy):
     def __init__(self, costs, prior: dict[str, float] | None = None, margin: float = MARGIN):
         self.costs, self.prior, self.margin = costs, dict(prior or PRIOR), margin
         self.k = self.width = 0
+        # Per source, every request's outcomes pooled: a new request starts from what the engine
+        # has seen (a server or a benchmark keeps one engine for many requests), else from the prior.
+        self.pooled: dict[str, list[float]] = {}
 
     def prepare(self, model: torch.nn.Module, drafter: Drafter | None, rows: int, k: int, width: int) -> None:
         self.k, self.width = k, width
@@ -128,9 +132,14 @@ class AdaptivePolicy(DraftPolicy):
         if state is not None and state.lookups:
             state.extend(tokens)
 
+    def _start(self, source: str) -> list[float]:
+        if source not in self.pooled or len(self.pooled[source]) != self.cap(source):
+            self.pooled[source] = [self.prior.get(source, 0.5)] * self.cap(source)
+        return self.pooled[source]
+
     def _rates(self, state: RowAcceptance, source: str) -> list[float]:
         if source not in state.rates:
-            state.rates[source] = [self.prior.get(source, 0.5)] * self.cap(source)
+            state.rates[source] = list(self._start(source))
         return state.rates[source]
 
     def _expected(self, rates: list[float]) -> list[float]:
@@ -171,13 +180,14 @@ class AdaptivePolicy(DraftPolicy):
                 prior = self.prior.get(src, 0.5)
                 rates[:] = [r + RELAX * (prior - r) for r in rates]
             return
-        rates = self._rates(state, source)
+        rates, pooled = self._rates(state, source), self._start(source)
         # Draft j was judged only if drafts 1..j-1 were accepted: positions 1..accepted passed,
         # position accepted+1 failed (a lookup without a match counts as a failed first draft);
         # later ones say nothing.
         for j in range(min(accepted + 1, max(drafted, 1), len(rates))):
             hit = 1.0 if j < accepted else 0.0
             rates[j] += LEARNING_RATE * (hit - rates[j])
+            pooled[j] += POOL_RATE * (hit - pooled[j])
 
 
 # --- the measured cost model --------------------------------------------------------------------
@@ -238,6 +248,20 @@ def _interpolate(table: dict[int, float], x: int) -> float:
     return table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
 
 
+def monotone(target: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+    """A forward never costs more than a wider one or one over more rows: another process can only
+    add time to a measurement, so each cell is lowered to the cheapest wider or larger cell."""
+    out: dict[int, dict[int, float]] = {}
+    for n in sorted(target, reverse=True):
+        row, best = {}, float("inf")
+        for w in sorted(target[n], reverse=True):
+            larger = [out[m][w] for m in out if w in out[m]]
+            best = min([best, target[n][w]] + larger)
+            row[w] = best
+        out[n] = row
+    return out
+
+
 class MeasuredCosts:
     """Seconds per target forward by (rows, width) and per drafter step by rows, timed on this
     machine the first time they are needed and cached as JSON (`key` + tables) in `folder`."""
@@ -249,6 +273,7 @@ class MeasuredCosts:
         self.target: dict[int, dict[int, float]] = {}
         self.drafts: dict[str, dict[int, list[float]]] = {}  # drafter key -> rows -> [base s, per-step s]
         self.drafter = ""
+        self._clean = None  # the target table with timing noise taken out (monotone), built on use
         self.profiled = 0  # cells timed by this process (tests read it)
         self._load()
 
@@ -269,7 +294,9 @@ class MeasuredCosts:
         tmp.replace(self.path)  # atomic: a concurrent reader sees the old table or the new one
 
     def verify(self, n: int, w: int) -> float:
-        return _interpolate({b: _interpolate(t, w) for b, t in self.target.items()}, n)
+        if self._clean is None:
+            self._clean = monotone(self.target)
+        return _interpolate({b: _interpolate(t, w) for b, t in self._clean.items()}, n)
 
     def draft(self, n: int, steps: int) -> float:
         if steps == 0:
@@ -298,6 +325,7 @@ class MeasuredCosts:
             if b not in self.drafts.get(self.drafter, {}):
                 self.drafts.setdefault(self.drafter, {})[b] = _time_drafter(drafter, cache, hidden, tokens, k)
             self.profiled += len(missing)
+        self._clean = None
         self.save()
         if self.progress:
             import sys

@@ -18,16 +18,33 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.offset = offset
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim)) if with_scale else None
+        self._scale: tuple[tuple[int, int], torch.Tensor] | None = None  # (weight version, 1 + w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # F.rms_norm computes x * rsqrt(mean(x^2) + eps) (* scale) as the references write it, in
-        # one call instead of five: a decode step runs ~110 norms, so the calls are what costs.
+        # one call instead of five. A decode step runs ~110 norms, so calls are what costs: casts
+        # that would do nothing are skipped rather than dispatched.
         shape = (x.shape[-1],)
         if self.weight is None:
-            return F.rms_norm(x.float(), shape, eps=self.eps).type_as(x)
+            return _cast(F.rms_norm(_cast(x, torch.float32), shape, eps=self.eps), x.dtype)
         if self.offset:
-            return F.rms_norm(x.float(), shape, 1.0 + self.weight.float(), self.eps).type_as(x)
-        return self.weight * F.rms_norm(x.float(), shape, eps=self.eps).type_as(x)
+            return _cast(F.rms_norm(_cast(x, torch.float32), shape, self._offset_scale(), self.eps), x.dtype)
+        return self.weight * _cast(F.rms_norm(_cast(x, torch.float32), shape, eps=self.eps), x.dtype)
+
+    def _offset_scale(self) -> torch.Tensor:
+        """1 + w in float32. Without gradients it is kept until the weight changes (its version
+        counter moves on any in-place update, loading included), instead of two ops per call."""
+        w = self.weight
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return 1.0 + w.float()
+        key = (w._version, w.data_ptr())
+        if self._scale is None or self._scale[0] != key:
+            self._scale = (key, 1.0 + w.float())
+        return self._scale[1]
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 ACTIVATIONS = {
@@ -83,13 +100,13 @@ def _attend_short(q, k, v, mask, scale, softcap):
     g = h // hkv
     # Fold each KV head's query group into the query axis: one matmul per KV head, no K/V copies.
     qg = q.reshape(b, hkv, g * t, d)
-    scores = _query_key_scores(qg, k).float() * scale
+    scores = _cast(_query_key_scores(qg, k), torch.float32) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         m = mask[:, :, None].expand(b, 1, g, t, mask.shape[-1]).reshape(b, 1, g * t, mask.shape[-1])
         scores = scores.masked_fill(~m, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    probs = _cast(torch.softmax(scores, dim=-1), v.dtype)
     return torch.matmul(probs, v).reshape(b, h, t, d)
 
 

@@ -28,6 +28,22 @@ os.environ["SPECDRAFT_THREADS"] = "1"  # the CLI's --threads default, for comman
 FP32 = torch.float32
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _costs_out_of_the_user_cache(tmp_path_factory):
+    """The adaptive draft policy's measured step costs go to a session temp dir, not
+    $SPECDRAFT_CACHE/costs: tests time tiny throwaway models whose tables would pile up in the
+    user's cache. $SPECDRAFT_CACHE itself stays (the converted real model is reused from there)."""
+    from specdraft.speculative.policy import COSTS_ENV
+
+    saved = os.environ.get(COSTS_ENV)
+    os.environ[COSTS_ENV] = str(tmp_path_factory.mktemp("costs"))
+    yield
+    if saved is None:
+        os.environ.pop(COSTS_ENV, None)
+    else:
+        os.environ[COSTS_ENV] = saved
+
+
 # --------------------------------------------------------------------------- tiny HF models
 
 # Small but complete: GQA (4 query heads over 2 KV heads), head_dim 16, several layers.

@@ -4,6 +4,7 @@ traceback), and a working tiny-model run with --json and streaming output."""
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import re
 import shutil
@@ -70,6 +71,33 @@ def test_generate_help_mentions_every_flag(capsys) -> None:
         assert actions[flag].help, flag
     for kind in DRAFTER_KINDS:
         assert re.search(rf"(^|; ){re.escape(kind)}:", actions["--drafter"].help), kind  # each kind explained
+
+
+def test_serve_takes_the_draft_policy_and_passes_it_on(monkeypatch) -> None:
+    """serve's --draft-policy is generate's (choices, default, help) and reaches load_served."""
+    def policy_flag(name: str) -> argparse.Action:
+        return next(a for a in _subcommands()[name]._actions if "--draft-policy" in a.option_strings)
+
+    served, generated = policy_flag("serve"), policy_flag("generate")
+    assert (served.choices, served.default, served.help) == (generated.choices, generated.default, generated.help)
+    pytest.importorskip("uvicorn")
+    import uvicorn
+
+    import specdraft.serve
+
+    seen = {}
+    signature = inspect.signature(specdraft.serve.load_served)
+
+    def fake_load_served(*args, **kwargs):
+        seen.update(signature.bind(*args, **kwargs).arguments)
+        return argparse.Namespace(name="m", drafter="none")
+
+    monkeypatch.setattr(specdraft.serve, "load_served", fake_load_served)
+    monkeypatch.setattr(specdraft.serve, "create_app", lambda *a, **k: None)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    for policy in ["fixed", "adaptive"]:
+        assert main(["serve", "--model", "m", "--draft-policy", policy]) == 0
+        assert seen["draft_policy"] == policy
 
 
 def test_unknown_model(capsys) -> None:

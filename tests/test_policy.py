@@ -214,10 +214,13 @@ def test_runtime_builds_the_policy(tmp_path, monkeypatch):
     from specdraft.runtime import Runtime
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
+    monkeypatch.delenv("SPECDRAFT_COSTS_DIR")  # conftest points it at a temp dir for the session
     stub = SimpleNamespace(name="m", folder=tmp_path, weights="int8", dtype_name="bfloat16",
                            device=torch.device("cpu"))
     policy = Runtime.draft_policy(stub)
     assert isinstance(policy, AdaptivePolicy) and policy.costs.path.parent == tmp_path / "costs"
+    monkeypatch.setenv("SPECDRAFT_COSTS_DIR", str(tmp_path / "elsewhere"))  # the tables alone can move
+    assert Runtime.draft_policy(stub).costs.path.parent == tmp_path / "elsewhere"
     assert policy.costs.key["weights"] == "int8" and policy.costs.key["threads"] == torch.get_num_threads()
     assert Runtime.draft_policy(stub, "fixed") is None
     with pytest.raises(ValueError):

@@ -35,6 +35,7 @@ from specdraft.drafters.ngram import NgramDrafter
 from specdraft.sampling import SamplingParams
 from specdraft.speculative import engine as engine_module
 from specdraft.speculative.engine import Engine
+from specdraft.speculative.policy import AdaptivePolicy, DraftPolicy
 
 V = 16
 PROMPT = [5, 9, 5, 9, 7, 5]  # repeats, so the n-gram drafter finds matches
@@ -313,3 +314,186 @@ def test_plain_sampling_is_seeded_and_speculative_greedy_unaffected(target, draf
     b = [r.token_ids for r in engine.generate([PROMPT] * 64, 6, SamplingParams(1.0, seed=5), eos_token_ids=[])]
     c = [r.token_ids for r in engine.generate([PROMPT] * 64, 6, SamplingParams(1.0, seed=6), eos_token_ids=[])]
     assert a == b and a != c
+
+
+# ------------------------------------------------------------------ adaptive draft widths
+#
+# The draft policy picks each round's width W (0 = a plain step) from what it has seen; the
+# engine then asks the drafter for min(W, K) drafts and cuts longer proposals (prompt lookups, or
+# a drafter that always drafts K) to their first W, tokens and Q together. Exactness needs only
+# that W is chosen before the round's drafts and target outputs are known. Here rounds get
+# widths from a script (every width from 0 to past K, changing every round; a generate call of
+# ADAPTIVE_CHUNK rows is 1-2 rounds) or from the adaptive policy itself over an injected cost
+# model, and the first three tokens are tested against the target's exact law as above.
+#
+# Sample size: N = 40,000 per case keeps each test near 20 s on one thread. The statistic has
+# df ~ 180 here; against any error of TV 0.03 the non-centrality is >= 4 N 0.03^2 = 144 and the
+# power at alpha 1e-3 is ~ 0.997 (asserted, recomputed for the actual df). The negative controls
+# below are errors of TV ~ 0.05-0.1, found with p < 1e-9.
+
+ADAPTIVE_N = 40_000
+ADAPTIVE_CHUNK = 2_000  # 20 generate calls per case, each with its own round widths
+ADAPTIVE_DELTA = 0.03
+WIDTH_SCRIPT = [2, 0, 1, 3, 0, 2, 1, 1, 3, 0, 0, 1, 2, 3, 3, 1, 0, 3, 2, 2, 1, 0]  # all pairs of widths up to 3
+MIXED_SCRIPT = [5, 1, 0, 8, 2, 3, 0, 6, 1, 2, 4, 0, 7, 1, 3, 3, 0, 2, 8, 1]  # lookups carry up to 8
+
+
+class ScriptedPolicy(DraftPolicy):
+    """Round widths from a list, cycled, whatever the rows; records what it chose."""
+
+    def __init__(self, script: list[int]):
+        self.script, self.chosen = script, []
+
+    def prepare(self, model, drafter, rows, k, width):
+        self.width = width
+
+    def choose(self, states):
+        w = min(self.script[len(self.chosen) % len(self.script)], self.width)
+        self.chosen.append(w)
+        return w
+
+
+class RecordingPolicy(AdaptivePolicy):
+    """The adaptive policy, its choices recorded."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.chosen = []
+
+    def choose(self, states):
+        self.chosen.append(super().choose(states))
+        return self.chosen[-1]
+
+
+class FakeCosts:
+    """Each verified token adds 3% to a step, a drafter step 0.3%: at this drafter's acceptance
+    one or two drafts pay and wider rounds do not, so the policy moves between widths 0, 1, 2
+    (cutting 8-token lookups) as its estimates move."""
+
+    def ensure(self, model, drafter, rows, k, width):
+        pass
+
+    def verify(self, n, w):
+        return 1.0 + 0.03 * (w - 1)
+
+    def draft(self, n, steps):
+        return 0.003 * steps
+
+
+class AlwaysK(Drafter):
+    """Drafts K tokens whatever the engine asks for, so the engine's cut to W is what is tested
+    (a prefix of sequentially drawn drafts, with its Q, is an exact draw of W drafts)."""
+
+    def __init__(self, inner, k: int):
+        self.inner, self.k, self.kind = inner, k, inner.kind
+
+    def propose(self, inp, k, sampling, generator):
+        return self.inner.propose(inp, self.k, sampling, generator)
+
+
+def adaptive_counts(target: TinyModel, drafter, k: int, policy, n: int, seed: int):
+    """Counts over V^3 of the first three tokens of n rows at temperature 1 under `policy`."""
+    counts = torch.zeros(V**3, dtype=torch.long)
+    engine = Engine(target.ours, None, drafter, k, policy=policy)
+    drafted = accepted = 0
+    for c in range(0, n, ADAPTIVE_CHUNK):
+        results = engine.generate([PROMPT] * min(ADAPTIVE_CHUNK, n - c), 3, SamplingParams(1.0, seed=seed + c),
+                                  eos_token_ids=[])
+        ids = torch.tensor([r.token_ids for r in results])
+        counts += torch.bincount(ids[:, 0] * V * V + ids[:, 1] * V + ids[:, 2], minlength=V**3)
+        drafted += sum(r.stats.drafted for r in results)
+        accepted += sum(sum(r.stats.accepted_by_position) for r in results)
+    return counts, (accepted / drafted if drafted else None)
+
+
+def adaptive_drafter(drafters, key: str):
+    if key == "mtp-always-K3":
+        return AlwaysK(drafters["mtp"], 3), 3
+    if key == "argmax-always-K3":
+        return AlwaysK(drafters["argmax"], 3), 3
+    return drafters[key], {"mtp": 3, "mtp+ngram": 2, "mtp-early-stop+ngram": 3}[key]
+
+
+ADAPTIVE_CASES = {
+    # name: (drafter key, policy: "scripted" or "adaptive", seed)
+    # The MTP drafter asked for min(W, 3) sampled drafts, W from 0 to 3 changing every round.
+    "mtp-clustered-scripted-widths": ("mtp", "scripted", 100),
+    # Sampled K = 3 drafts cut by the engine to W (tokens and sparse Q).
+    "mtp-clustered-cut-to-width": ("mtp-always-K3", "scripted", 110),
+    # Point-mass (argmax) drafts, K = 3 cut to W.
+    "argmax-point-mass-cut-to-width": ("argmax-always-K3", "scripted", 120),
+    # Ragged batch: lookup rows (point masses, up to 8 drafts) next to MTP rows that stop early
+    # (1-3 sampled drafts); widths 0..8 cut lookups, and the MTP drafts below K.
+    "mtp-early-stop+ngram-mixed-scripted-widths": ("mtp-early-stop+ngram", "scripted", 130),
+    # The adaptive policy itself over a fake cost model: widths follow the acceptance it sees
+    # (mostly widths 1-2 cutting 8-token lookups; most rows look up here, so this case checks the
+    # policy's cuts of point-mass drafts; the scripted cases above check sampled Q).
+    "mtp+ngram-mixed-adaptive-policy": ("mtp+ngram", "adaptive", 140),
+}
+
+
+@pytest.mark.parametrize("case", list(ADAPTIVE_CASES))
+def test_sampling_stays_exact_with_adaptive_widths(case: str, target, drafters) -> None:
+    key, kind, seed = ADAPTIVE_CASES[case]
+    drafter, k = adaptive_drafter(drafters, key)
+    if kind == "scripted":
+        policy = ScriptedPolicy(MIXED_SCRIPT if "ngram" in key else WIDTH_SCRIPT)
+    else:
+        policy = RecordingPolicy(FakeCosts(), prior={"mtp": 0.5, "lookup": 0.5})
+    probs = exact_joint(target)
+    counts, acceptance = adaptive_counts(target, drafter, k, policy, ADAPTIVE_N, seed)
+    stat, df, p_value, pooled, tv = chi_square(counts, probs)
+    power = detection_power(ADAPTIVE_N, df, ADAPTIVE_DELTA)
+    widths = sorted(set(policy.chosen))
+    print(f"{case}: chi2 {stat:.1f} / {df} df, p {p_value:.3f}, TV {tv:.4f}, acceptance {acceptance}, "
+          f"widths {widths}, power vs TV {ADAPTIVE_DELTA}: {power:.4f}")
+    assert pooled < 0.01
+    assert power >= 0.98, f"df {df} too large for N {ADAPTIVE_N} to detect TV {ADAPTIVE_DELTA}"
+    # The widths really varied, some narrower than K (scripted: plain rounds too).
+    assert len(widths) >= 2 and any(0 < w < k for w in widths), widths
+    assert kind != "scripted" or (0 in widths and len(widths) >= 4), widths
+    assert sum(w > 0 for w in policy.chosen) > 0.5 * len(policy.chosen)  # mostly drafting rounds
+    assert acceptance is not None and 0.05 < acceptance < 0.9, acceptance
+    assert p_value > ALPHA, f"{case}: chi2 {stat:.1f} on {df} df, p = {p_value:.2e}, TV {tv:.4f}"
+
+
+class _AcceptWithP(SparseProbs):
+    """NEGATIVE CONTROL: Q reads 1 at each draft, so a draft is accepted with P(d) instead of
+    min(1, P(d) / Q(d)); the residual still uses the true Q."""
+
+    def at(self, tokens):
+        return torch.ones(tokens.shape, dtype=self.probs.dtype, device=self.probs.device)
+
+
+def test_negative_control_adaptive_widths_accept_with_p_is_detected(target, drafters, monkeypatch) -> None:
+    real = engine_module.verify_sampling
+
+    def accepts_with_p(target_probs, drafts, draft_probs, num_valid, generator):
+        if draft_probs is not None:  # None: a plain round (no drafts)
+            draft_probs = _AcceptWithP(draft_probs.ids, draft_probs.probs, draft_probs.vocab)
+        return real(target_probs, drafts, draft_probs, num_valid, generator)
+
+    monkeypatch.setattr(engine_module, "verify_sampling", accepts_with_p)
+    counts, _ = adaptive_counts(target, AlwaysK(drafters["mtp"], 3), 3, ScriptedPolicy(WIDTH_SCRIPT), NEGATIVE_N, 150)
+    stat, df, p_value, _, tv = chi_square(counts, exact_joint(target))
+    print(f"accept with P: chi2 {stat:.1f} / {df} df, p {p_value:.2e}, TV {tv:.4f}")
+    assert p_value < 1e-9, f"accepting with P instead of min(1, P/Q) went unnoticed (p = {p_value:.2e}, TV {tv:.4f})"
+
+
+def test_negative_control_q_cut_out_of_step_with_drafts_is_detected(target, drafters, monkeypatch) -> None:
+    """A cut to W drafts that keeps the drafter's last W distributions instead of its first W
+    (Q no longer the law of the draft it is read for) must be caught: it only differs from the
+    right cut in rounds narrower than K, so this also shows such rounds are really tested."""
+    real = engine_module._truncate
+
+    def misaligned(draft, width):
+        cut = real(draft, width)
+        if draft.tokens.shape[1] > width and draft.probs is not None:
+            cut.probs = draft.probs[:, draft.tokens.shape[1] - width:]
+        return cut
+
+    monkeypatch.setattr(engine_module, "_truncate", misaligned)
+    counts, _ = adaptive_counts(target, AlwaysK(drafters["mtp"], 3), 3, ScriptedPolicy(WIDTH_SCRIPT), NEGATIVE_N, 160)
+    stat, df, p_value, _, tv = chi_square(counts, exact_joint(target))
+    print(f"Q cut out of step: chi2 {stat:.1f} / {df} df, p {p_value:.2e}, TV {tv:.4f}")
+    assert p_value < 1e-9, f"a Q cut out of step with its drafts went unnoticed (p = {p_value:.2e}, TV {tv:.4f})"

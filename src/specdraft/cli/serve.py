@@ -12,7 +12,7 @@ DEFAULT_MAX_CONTEXT = 2048
 
 
 def register(sub) -> None:
-    from specdraft.cli.generate import add_drafter_args, add_model_args
+    from specdraft.cli.generate import add_drafter_args, add_model_args, add_policy_arg
 
     p = sub.add_parser(
         "serve",
@@ -24,6 +24,7 @@ def register(sub) -> None:
     )
     add_model_args(p)
     add_drafter_args(p)
+    add_policy_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch-size", type=int, default=8, help="requests decoded together (default 8)")
@@ -64,7 +65,7 @@ def run(args) -> int:
     _, note = set_threads(args.threads)
     served = load_served(args.model, args.drafter, args.dtype, args.device, args.max_batch_size, args.max_context,
                          args.drafter_path, args.draft_tokens, args.weights,
-                         args.compile)
+                         args.compile, args.draft_policy)
     if note:
         print(f"specdraft: note: {note}", file=sys.stderr)
     print(f"specdraft: serving {served.name} (drafter {served.drafter}) on http://{args.host}:{args.port}/ "

@@ -6,8 +6,9 @@ drafts 1..j-1 were). The adaptive policy picks the W (0 = a plain step) with the
 tokens per second, from
 
 - a cost model measured here: target forward seconds by (rows, width) and drafter seconds per
-  step, profiled once on scratch caches and kept on disk under $SPECDRAFT_CACHE/costs, keyed by
-  everything that changes them (model, weights, dtype, device, torch, threads, CPU);
+  step, profiled once on scratch caches and kept on disk under $SPECDRAFT_CACHE/costs (or
+  $SPECDRAFT_COSTS_DIR), keyed by everything that changes them (model, weights, dtype, device,
+  torch, threads, CPU);
 - per-row acceptance estimates, one per draft source (prompt lookup and the MTP drafter accept
   very differently), updated from each round's accepted counts; for mtp+ngram, which source a
   row's next drafts come from is read off its emitted tokens (a lookup needs a repeated bigram).
@@ -211,10 +212,17 @@ def cost_key(model_name: str, folder: str, weights: str, dtype: str, device: tor
     }
 
 
+COSTS_ENV = "SPECDRAFT_COSTS_DIR"  # where cost tables go, if not $SPECDRAFT_CACHE/costs (tests: a temp dir)
+
+
 def costs_dir() -> Path:
+    """$SPECDRAFT_COSTS_DIR if set, else $SPECDRAFT_CACHE/costs. The cost tables alone can move:
+    the test suite keeps its tiny models' tables out of the user's cache while still reusing the
+    real model converted there."""
     from specdraft.loading.presets import cache_root
 
-    return cache_root() / "costs"
+    override = os.environ.get(COSTS_ENV)
+    return Path(override) if override else cache_root() / "costs"
 
 
 def drafter_key(drafter: Drafter) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import SparseProbs
+from specdraft.sampling import sample
 
 
 def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
@@ -77,5 +78,5 @@ def verify_sampling(
     total = residual.sum(dim=1, keepdim=True)
     # Rounding can leave an all-zero residual when P == Q almost exactly; P itself is then right.
     residual = torch.where(total > 0, residual, p_at)
-    token = torch.multinomial(residual, 1, generator=generator).squeeze(1)
+    token = sample(residual, generator)
     return n, token

@@ -87,8 +87,7 @@ class RopeTable:
     def __init__(self, rope: RopeParams, head_dim: int, max_position_embeddings: int):
         self.inv_freq, self.scaling = inverse_frequencies(rope, head_dim, max_position_embeddings)
         self.cos = torch.empty(0, head_dim, device="cpu")
-        self.sin = torch.empty(0, head_dim, device="cpu")
-        self.signed_sin = self.sin
+        self.signed_sin = torch.empty(0, head_dim, device="cpu")  # sin with its first half negated
 
     def ensure(self, length: int, device: torch.device) -> None:
         if self.cos.shape[0] >= length and self.cos.device == device:
@@ -98,9 +97,9 @@ class RopeTable:
         freqs = pos[:, None] * self.inv_freq[None, :].float()
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = (emb.cos() * self.scaling).to(device)
-        self.sin = (emb.sin() * self.scaling).to(device)
-        half = self.sin.shape[1] // 2
-        self.signed_sin = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=1)
+        sin = emb.sin() * self.scaling
+        half = sin.shape[1] // 2
+        self.signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=1).to(device)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, signed sin [B, 1, T, head_dim] in `dtype`, ready to broadcast

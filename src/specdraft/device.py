@@ -48,25 +48,35 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-WEIGHT_CHOICES = ("auto", "dtype", "int8", "int4")
+WEIGHT_CHOICES = ("auto", "dtype", "int8", "int4", "fp16")
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)  # what torch's packed CPU kernels take
 
 
 def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """How weights are stored: `dtype` (as --dtype says) or packed int8/int4 (CPU only).
+    """How weights are stored: `dtype` (as --dtype says), packed int8/int4, or fp16 (CPU only).
 
     auto = int8 on a CPU in bfloat16: it halves the bytes every step reads and its kernel gives
-    a row the same bits whatever the number of rows (BENCHMARKS.md, weight formats). In float32
-    the packed kernels work too (`--weights int8`), but auto keeps float32 unquantised: it is the
-    exactness reference."""
+    a row the same bits whatever the number of rows (BENCHMARKS.md, weight formats). On a CPU
+    without bf16 units (float32 there) auto = fp16: the int8 kernels are compute-bound there,
+    FBGEMM's fp16 kernel reads half the bytes at float32's arithmetic. `--dtype float32 --weights
+    dtype` is the exactness reference."""
+    from specdraft.models.fp16_kernel import fp16_kernel_available
+
     if name not in WEIGHT_CHOICES:
         raise SpecdraftError(f"unknown weights {name!r} (use {', '.join(WEIGHT_CHOICES)})")
     packable = device.type == "cpu" and dtype in PACKABLE_DTYPES
     if name == "auto":
-        return "int8" if packable and dtype == torch.bfloat16 else "dtype"
+        if packable and dtype == torch.bfloat16:
+            return "int8"
+        if device.type == "cpu" and dtype == torch.float32 and not cpu_has_bf16_units() and fp16_kernel_available():
+            return "fp16"
+        return "dtype"
     if name in ("int8", "int4") and not packable:
         raise SpecdraftError(f"--weights {name} runs on torch's packed CPU kernels; "
                              f"use --device cpu, or --weights dtype")
+    if name == "fp16" and (device.type != "cpu" or dtype != torch.float32 or not fp16_kernel_available()):
+        raise SpecdraftError("--weights fp16 runs on FBGEMM's x86 CPU kernel with float32 activations; "
+                             "use --device cpu --dtype float32 on an x86 CPU, or --weights dtype")
     return name
 
 

@@ -16,6 +16,7 @@ from specdraft.loading import load_folder, resolve_model
 from specdraft.models import int8_head
 from specdraft.models.compile import compile_steps
 from specdraft.models.quant import INT8_PACK_MULTIPLE, Int8Head, compact_weights
+from specdraft.models.screened_head import screen_head
 from specdraft.tokenizer import Tokenizer
 
 
@@ -78,6 +79,7 @@ class Runtime:
         compact_weights(model, fmt)
         if isinstance(getattr(model, "packed_head", None), Int8Head):
             _warm_up_int8_head(model.packed_head, progress)
+        screen_head(model)  # float32 dense heads: greedy argmax from an fp16 screen, exact
         if compile:
             compile_steps(model, announce=progress)
         eos = cfg.eos_token_ids + generation_eos_ids(folder)
@@ -104,7 +106,9 @@ class Runtime:
     def nbytes(self) -> int:
         """Bytes of weights and packed buffers (the KV cache is counted apart)."""
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        return sum(t.numel() * t.element_size() for t in tensors)
+        packed = sum(getattr(m, "packed_nbytes", 0) for m in self.model.modules())  # FBGEMM's copies
+        screened = getattr(self.model, "screened_head", None)
+        return sum(t.numel() * t.element_size() for t in tensors) + packed + (screened.nbytes if screened is not None else 0)
 
     def draft_policy(self, policy: str = "adaptive", progress: bool = False):
         """The engine's draft policy: "adaptive" (width per round from step costs measured on this

@@ -30,7 +30,13 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     embed = model.embed_tokens.weight
     total = sum(t.numel() * t.element_size() for i, t in tensors.items() if i != id(embed))
-    if getattr(model, "packed_head", None) is None and model.lm_head is None:
+    total += sum(getattr(m, "packed_nbytes", 0) for m in model.modules())  # FBGEMM's fp16 copies
+    screened, packed_head = getattr(model, "screened_head", None), getattr(model, "packed_head", None)
+    if screened is not None:  # greedy steps read the fp16 screen, not a float32 head
+        total += screened.nbytes
+        if packed_head is None and model.lm_head is not None:
+            total -= model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    elif packed_head is None and model.lm_head is None:
         total += embed.numel() * embed.element_size()  # tied head reads the table in full
     return total
 
@@ -61,7 +67,7 @@ def step_times(model: torch.nn.Module, batch_sizes: list[int], widths: list[int]
 
             def forward() -> None:
                 cache.rollback([context] * b)
-                model.head_scores(model(tokens, cache)).float().argmax(-1)  # as greedy verification reads it
+                model.greedy_tokens(model(tokens, cache))  # as greedy verification reads it
 
             for _ in range(3):  # warm-up (and any compilation) outside the timing
                 forward()

@@ -56,18 +56,18 @@ class DraftModelDrafter(Drafter):
         hidden = self.model(inp.tokens.gather(1, cols), cache)
         cache.rollback(seq_len)
         rows = torch.arange(len(seq_len), device=dev)
-        logits = self.model.logits(hidden[rows, todo - 1])
+        last = hidden[rows, todo - 1]
         tokens, probs = [], []
         for step in range(k):
             if sampling.greedy:
-                token = logits.argmax(-1)
+                token = self.model.greedy_tokens(last)
             else:
-                q = probabilities(logits, sampling)
+                q = probabilities(self.model.logits(last), sampling)
                 token = sample(q, generator)
                 probs.append(q)
             tokens.append(token)
             if step + 1 < k:
-                logits = self.model.logits(self.model(token[:, None], cache)[:, 0])
+                last = self.model(token[:, None], cache)[:, 0]
         return Draft(torch.stack(tokens, 1), torch.where(inp.active, k, 0), torch.stack(probs, 1) if probs else None)
 
 

@@ -1,10 +1,12 @@
-"""Compact weights: int8 and int4 linears on torch's own CPU kernels, packed once at load.
+"""Compact weights: int8, int4 and fp16 linears on torch's own CPU kernels, packed once at load.
 
 Decoding a small model on a CPU is bound by the bytes the weights take to read: the 262k x 640
-LM head of Gemma 3 270M alone is 335 MB in bf16. Two weight-only formats, activations stay bf16:
+LM head of Gemma 3 270M alone is 335 MB in bf16. Three weight-only formats:
 
-- int8: one scale per output row; `aten._weight_int8pack_mm`.
+- int8: one scale per output row; `aten._weight_int8pack_mm` (bf16 or float32 activations).
 - int4: asymmetric, one scale and one offset per group of 32 inputs; `aten._weight_int4pack_mm_for_cpu`.
+- fp16: weights rounded to fp16, float32 activations and sums; FBGEMM (models/fp16_kernel.py).
+  For CPUs without bf16 units, where the int8/int4 kernels are compute-bound.
 
 Both kernels compute every output row on its own with a fixed reduction order, so a row's
 result does not depend on how many rows are computed together (checked by tests). That is what
@@ -21,8 +23,9 @@ from torch import nn
 
 from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models import int8_head
+from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16
 
-WEIGHT_FORMATS = ("dtype", "int8", "int4")  # dtype: weights stay in the model's dtype
+WEIGHT_FORMATS = ("dtype", "int8", "int4", "fp16")  # dtype: weights stay in the model's dtype
 INT4_GROUP = 32
 # The packed kernels stream the weights once per 4 rows: right for decode and verify widths,
 # 2.5-3x slower than a bf16 GEMM for a prompt. Inputs of more tokens per row than a short forward
@@ -133,12 +136,30 @@ class Int4Linear(PackedLinear):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, self.group, self.scales_and_zeros)
 
 
+class Fp16Linear(nn.Module):
+    """y = x W^T + b with W in fp16 on FBGEMM (float32 in and out), padded for row invariance.
+    The packed copy is the only one kept: `packed_nbytes` counts it (it is not a tensor)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.packed_fp16 = prepack_fp16(weight)
+        self.packed_nbytes = weight.numel() * 2
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = fp16_mm(x.reshape(-1, self.in_features), self.packed_fp16).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
 INT8_PACK_MULTIPLE = 16  # _weight_int8pack_mm crashes (segfault) on other input widths
 
 
 def compact_linear(linear: nn.Linear, fmt: str, dtype: torch.dtype) -> nn.Module:
     """The packed version of `linear`, or `linear` itself where no kernel takes its input width."""
     weight, bias = linear.weight, linear.bias
+    if fmt == "fp16":
+        return Fp16Linear(weight, bias)
     if fmt == "int4" and weight.shape[1] % INT4_GROUP == 0:
         return Int4Linear(weight, bias, dtype)
     if fmt not in ("int8", "int4"):
@@ -161,13 +182,17 @@ def compact_weights(model: nn.Module, fmt: str) -> None:
     if model.head_weight.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"--weights {fmt} needs the CPU in bfloat16 or float32 (torch's packed kernels); "
                          f"this model runs in {dtype} on {model.head_weight.device.type}")
+    if fmt == "fp16" and dtype != torch.float32:
+        raise ValueError(f"--weights fp16 computes in float32 (FBGEMM); this model runs in {dtype}")
     for layer in model.layers:
         for child in list(layer.modules()):
             for attr, sub in list(child.named_children()):
                 if type(sub) is nn.Linear:
                     setattr(child, attr, compact_linear(sub, fmt, dtype))
     head = model.head_weight
-    if fmt == "int8" or head.shape[1] % INT4_GROUP:  # the compiled int8 head takes any width
+    if fmt == "fp16":
+        model.packed_head = Fp16Linear(head, None)  # greedy steps screen with it (models/screened_head.py)
+    elif fmt == "int8" or head.shape[1] % INT4_GROUP:  # the compiled int8 head takes any width
         model.packed_head = Int8Head(head, dtype)  # compiles on first use; Runtime.load warms it up
     else:
         model.packed_head = Int4Linear(head, None, dtype)

@@ -54,6 +54,9 @@ class TargetModel(Protocol):
     def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """Raw head scores [..., V] (model dtype, or float32 from the int8 head): same argmax as `logits`."""
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden [..., H] -> the greedy next token [...] (argmax of the head's scores)."""
+
     @property
     def head_weight(self) -> torch.Tensor:
         """The [V, H] table the LM head scores against (the embedding when tied)."""
@@ -77,6 +80,7 @@ class CachedDecoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.packed_head: nn.Module | None = None  # set by models.quant.compact_weights
+        self.screened_head: nn.Module | None = None  # set by models.screened_head.screen_head
         self.compiled_step = None  # set by models.compile.compile_steps
 
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -100,6 +104,14 @@ class CachedDecoder(nn.Module):
 
     def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         return head_scores(self, hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The argmax of the head's raw scores (the softcap is monotonic), per row on its own: the
+        screened head when there is one, else the scores read as float32 (on a CPU an argmax over
+        bf16 values costs 4x the conversion plus a float32 argmax)."""
+        if self.screened_head is not None:
+            return self.screened_head(hidden)
+        return head_scores(self, hidden).float().argmax(-1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., H] -> logits [..., V] in float32 (final softcap applied)."""

@@ -297,9 +297,8 @@ class Engine:
         if self.hidden is None:
             self.hidden = hidden.new_zeros(self.tokens.shape[0], hidden.shape[-1])
         with self.timer.phase("verify"):
-            logits = self._scores(hidden, rows)
             none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
-            _, first = self._verify(logits[:, None], Draft(none, none.new_zeros(len(rows))), rows)
+            _, first = self._verify(hidden[:, None], Draft(none, none.new_zeros(len(rows))), rows)
         for slot in slots:  # each swap only touches slots below the next one
             if slot != self.n_dec:
                 self._swap(slot, self.n_dec)
@@ -328,7 +327,7 @@ class Engine:
         kk = draft.tokens.shape[1]
         with timer.phase("verify"):
             out = self.model(torch.cat([last[:, None], draft.tokens], dim=1), cache)
-            accepted, nxt = self._verify(self._scores(out, rows), draft, rows)
+            accepted, nxt = self._verify(out, draft, rows)
         with timer.phase("other"):
             # Accept: write b's successors d1..dn, t into the history; the cache keeps b and d1..dn.
             steps = torch.arange(kk + 1, device=self.device)
@@ -382,37 +381,29 @@ class Engine:
             draft = self.drafter.propose(inp, k, GREEDY, None)
         return _truncate(draft, width)
 
-    def _scores(self, hidden: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
-        """What verification reads: when every row is greedy only the argmax matters, so the head's
-        raw scores do (the softcap is monotonic and is skipped). They are read as float32: on a
-        CPU an argmax over bf16 values costs 4x the conversion plus a float32 argmax."""
-        if all(r.group.params.greedy for r in rows):
-            return self.model.head_scores(hidden).float()
-        return self.model.logits(hidden)
-
-    def _verify(self, logits: torch.Tensor, draft: Draft, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(accepted count, next token) per row: greedy rows together, each sampling group with
-        its own parameters and random stream."""
+    def _verify(self, hidden: torch.Tensor, draft: Draft, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted count, next token) per row from the target's hidden states [B, K+1, H]:
+        greedy rows together, each sampling group with its own parameters and random stream."""
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
             groups.setdefault(0 if r.group.params.greedy else id(r.group), []).append(i)
         if len(groups) == 1:
-            return self._verify_group(logits, draft.tokens, draft.num_valid, draft.probs, rows[0].group)
+            return self._verify_group(hidden, draft.tokens, draft.num_valid, draft.probs, rows[0].group)
         accepted = torch.empty(len(rows), dtype=torch.long, device=self.device)
         nxt = torch.empty_like(accepted)
         for idx in groups.values():
             at = torch.tensor(idx, device=self.device)
             probs = draft.probs[at] if draft.probs is not None else None
-            accepted[at], nxt[at] = self._verify_group(logits[at], draft.tokens[at], draft.num_valid[at], probs,
+            accepted[at], nxt[at] = self._verify_group(hidden[at], draft.tokens[at], draft.num_valid[at], probs,
                                                        rows[idx[0]].group)
         return accepted, nxt
 
-    def _verify_group(self, logits, drafts, num_valid, q, group: SamplingGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        if group.params.greedy:
-            return verify_greedy(logits, drafts, num_valid)
+    def _verify_group(self, hidden, drafts, num_valid, q, group: SamplingGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        if group.params.greedy:  # only the argmax matters: no V-wide float32 logits
+            return verify_greedy(self.model.greedy_tokens(hidden), drafts, num_valid)
         # Only the group's own drafts: its random draws then never depend on the round's width.
         width = int(num_valid.max()) if drafts.shape[1] else 0
-        probs = probabilities(logits[:, : width + 1], group.params)
+        probs = probabilities(self.model.logits(hidden[:, : width + 1]), group.params)
         q = q[:, :width] if q is not None else None
         return verify_sampling(probs, drafts[:, :width], q, num_valid, group.generator)
 

@@ -379,7 +379,7 @@ def _time_target(model: torch.nn.Module, cache, widths: list[int]) -> dict[int, 
 
         def forward() -> None:
             cache.rollback(start)
-            model.head_scores(model(tokens, cache)).float().argmax(-1)
+            model.greedy_tokens(model(tokens, cache))
 
         forward()  # warm-up: first-call allocations and any compilation stay out of the timing
         out[w] = _fastest(forward, dev)

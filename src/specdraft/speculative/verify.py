@@ -23,9 +23,10 @@ def _valid(num_valid: torch.Tensor, k: int) -> torch.Tensor:
     return torch.arange(k, device=num_valid.device)[None, :] < num_valid[:, None]
 
 
-def verify_greedy(target_logits: torch.Tensor, drafts: torch.Tensor, num_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Longest prefix with d(i+1) == argmax P_i, then the target's own argmax: exactly greedy."""
-    choice = target_logits.argmax(dim=-1)  # [B, K+1]
+def verify_greedy(target_tokens: torch.Tensor, drafts: torch.Tensor, num_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest prefix with d(i+1) == argmax P_i, then the target's own argmax: exactly greedy.
+    target_tokens [B, K+1]: argmax P_0..P_K (the model's `greedy_tokens`)."""
+    choice = target_tokens
     k = drafts.shape[1]
     n = _accepted_prefix((drafts == choice[:, :k]) & _valid(num_valid, k))
     return n, choice.gather(1, n[:, None]).squeeze(1)

@@ -1,0 +1,97 @@
+"""The greedy LM head, exact, for a fraction of the bytes: screen in fp16, rescore the few that can win.
+
+Greedy decoding needs only the argmax of each row's V scores, not the scores. A float32 head
+(262144 x 640 for Gemma 3: 671 MB) is read once per step, and on a CPU without bf16 units it is
+the largest single cost of a step; its fp16 copy reads in a quarter of the time on FBGEMM's
+fp16-weight kernel (models/fp16_kernel.py).
+
+The screen is exact because its error has a proven bound. For a hidden row h and a vocabulary
+row w (float32 or fp16 values) with fp16 copy w16, the exact score e = w . h and the screened
+score a (FBGEMM's float32 sum of w16 * h, in any order) satisfy
+
+    |e - a| <= |(w - w16) . h| + |w16 . h - a| <= (||w - w16|| + gamma_K ||w16||) ||h|| =: B
+
+(Cauchy-Schwarz, then the standard bound for a float32 sum of K products, gamma_K = K u /
+(1 - K u), u = 2^-24), with the largest row norms of the table. The true argmax can only be a
+token with a >= max(a) - 2B; those few (usually one) are rescored in float64, where products of
+float32 numbers are exact and sums are 2^29 times finer than float32's, and the best wins
+(lowest id on a tie). On Gemma 3 270M, B is about 0.04 logits and one or two tokens pass.
+
+The result is the argmax of the exact scores, computed per row on its own, so it does not
+depend on how many rows share the call: a (K+1)-row verification picks what K+1 one-row steps
+pick, bit for bit. A float32 `F.linear` does not promise that (on an AVX2 CPU its GEMV and GEMM
+round differently); within float32 rounding both are the same argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdraft.models.fp16_kernel import fp16_kernel_available, fp16_mm, prepack_fp16
+
+_U = 2.0**-24  # float32 unit roundoff
+_SLACK = 1.001  # headroom for computing the bound itself in float32 (a few roundings near B)
+
+
+class ScreenedHead(nn.Module):
+    """argmax(h @ W^T) per row, exact, for a float32 or fp16 table W [V, H] on an x86 CPU."""
+
+    def __init__(self, weight: torch.Tensor, packed: torch.ScriptObject | None = None, fp16_values: bool = False):
+        """weight: the model's float32 table (shared); packed: its fp16 copy when the model has one;
+        fp16_values: the head's exact scores are against the fp16-rounded table (--weights fp16)."""
+        super().__init__()
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError(f"the screened head takes a float32 CPU table, not {weight.dtype} on {weight.device}")
+        self.weight = weight  # rescoring reads its rows
+        self.packed = packed if packed is not None else prepack_fp16(weight)
+        self.owns_copy = packed is None
+        self.fp16_values = fp16_values
+        w16 = weight.half()
+        err = 0.0 if fp16_values else (weight.double() - w16.double()).norm(dim=1).max().item()
+        w16_norm = w16.double().norm(dim=1).max().item()
+        k = weight.shape[1]
+        gamma = k * _U / (1 - k * _U)
+        self.bound_per_unit_h = (err + gamma * w16_norm) * _SLACK  # B / ||h||
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the fp16 copy this head added (none when it screens with the model's own)."""
+        return self.weight.numel() * 2 if self.owns_copy else 0
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> argmax token ids [...] of the exact scores."""
+        rows = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
+        scores = fp16_mm(rows, self.packed, pad=False)  # the bound holds for any row blocking
+        top = scores.max(dim=-1).values
+        margin = 2 * self.bound_per_unit_h * rows.norm(dim=-1)
+        row_ids, token_ids = (scores >= (top - margin)[:, None]).nonzero(as_tuple=True)
+        table = self.weight[token_ids]
+        table = table.half() if self.fp16_values else table  # the same rounding as the packed copy
+        exact = (table.double() * rows[row_ids].double()).sum(-1)
+        n, v = rows.shape[0], self.weight.shape[0]
+        best = torch.full((n,), -torch.inf, dtype=torch.float64).scatter_reduce(0, row_ids, exact, "amax")
+        wins = exact == best[row_ids]
+        choice = torch.full((n,), v, dtype=torch.long).scatter_reduce(0, row_ids[wins], token_ids[wins], "amin")
+        lost = choice == v  # no candidate: a NaN or inf in the row
+        if lost.any():
+            choice[lost] = F.linear(rows[lost], self.weight).argmax(-1)
+        return choice.view(hidden.shape[:-1])
+
+
+def screen_head(model: nn.Module) -> bool:
+    """Give `model` a screened greedy head when its head is a dense float32 table or the fp16
+    head of --weights fp16, on an x86 CPU (packed int8/int4 heads are their own definition).
+    True if it did."""
+    packed_head = getattr(model, "packed_head", None)
+    weight = model.head_weight
+    if packed_head is not None and hasattr(packed_head, "packed_fp16"):
+        model.screened_head = ScreenedHead(weight, packed_head.packed_fp16, fp16_values=True)
+        return True
+    if packed_head is not None or weight.dtype != torch.float32:
+        return False
+    if weight.device.type != "cpu" or not fp16_kernel_available():
+        return False
+    model.screened_head = ScreenedHead(weight)
+    return True

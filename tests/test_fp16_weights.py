@@ -1,0 +1,144 @@
+"""fp16 weights on FBGEMM (`--weights fp16`) and the screened greedy head: bounded error, rows
+that do not depend on their neighbours, speculative output equal to plain output, and a greedy
+head whose screen never changes the argmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TinyModel
+from specdraft.loading import load_folder
+from specdraft.models import fp16_kernel
+from specdraft.models.fp16_kernel import PROBE_ROWS, fp16_mm, prepack_fp16, row_invariant
+from specdraft.models.quant import Fp16Linear, compact_weights
+from specdraft.models.screened_head import ScreenedHead, screen_head
+from specdraft.speculative.engine import Engine
+from test_quant import repetitive_prompts, speculative_equals_plain
+
+pytestmark = pytest.mark.skipif(not fp16_kernel.fp16_kernel_available(), reason="FBGEMM (x86 CPU builds) needed")
+
+U = 2.0**-24
+
+
+def rand(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def test_fp16_linear_is_the_float32_product_of_the_fp16_weights() -> None:
+    """Weights rounded to fp16, products and sums in float32: the error against the exact product
+    of the fp16 weights is within the float32 summation bound gamma_K * sum |w16 x|."""
+    w, x = rand(300, 640, seed=0, scale=0.05), rand(5, 640, seed=1)
+    layer = Fp16Linear(w, None)
+    exact = x.double() @ w.half().double().t()
+    k = w.shape[1]
+    bound = k * U / (1 - k * U) * (x.double().abs() @ w.half().double().abs().t())
+    for rows in (1, 2, 5):
+        assert ((layer(x[:rows]).double() - exact[:rows]).abs() <= bound[:rows]).all()
+    assert layer(x[None, :3]).shape == (1, 3, 300)
+
+
+def test_padded_rows_do_not_depend_on_the_number_of_rows() -> None:
+    """FBGEMM's 1- and 2-row kernels round differently from the rest; with the probed padding a
+    row's bits are the same in a call of any size up to PROBE_ROWS (what makes a (K+1)-row
+    verify reproduce K+1 one-row steps). The raw kernel does differ: the padding is needed."""
+    assert row_invariant()
+    for n, k in [(256, 640), (640, 2048), (1000, 72)]:
+        packed = prepack_fp16(rand(n, k, seed=n, scale=0.05))
+        x = rand(PROBE_ROWS, k, seed=k)
+        one_by_one = torch.cat([fp16_mm(x[i : i + 1], packed) for i in range(PROBE_ROWS)])
+        for m in list(range(2, 20)) + [31, 32, 36, 37, 38, 43, 44, 72, PROBE_ROWS]:
+            assert torch.equal(fp16_mm(x[:m], packed), one_by_one[:m]), (n, k, m)
+    packed = prepack_fp16(rand(256, 640, seed=7, scale=0.05))
+    x = rand(44, 640, seed=8)
+    raw = [fp16_mm(x[:m], packed, pad=False) for m in range(1, 45)]
+    assert any(not torch.equal(r, raw[-1][: r.shape[0]]) for r in raw)
+
+
+def near_tie_table(v: int = 64, h: int = 32) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """A table where fp16 rounding reverses the top two: row a's fp16 score beats row b's by one
+    fp16 step while b's exact score beats a's. Returns (table, hidden, a, b)."""
+    table = rand(v, h, seed=3, scale=0.01)
+    hidden = torch.zeros(h)
+    hidden[:2] = 1.0
+    ulp = 2.0**-10  # fp16 spacing in [1, 2)
+    a, b = 10, 20
+    table[a, :2] = torch.tensor([1 + 0.5001 * ulp, 0.5])  # rounds up to 1 + ulp
+    table[b, :2] = torch.tensor([1 + 0.4999 * ulp, 0.5 + 0.0004 * ulp])  # rounds down to 1; 0.5 + tiny -> 0.5
+    exact = table.double() @ hidden.double()
+    assert exact.argmax().item() == b
+    assert (table.half().double() @ hidden.double()).argmax().item() == a
+    return table, hidden, a, b
+
+
+def test_screened_head_finds_the_exact_argmax_where_fp16_rounding_reverses_the_order() -> None:
+    table, hidden, a, b = near_tie_table()
+    head = ScreenedHead(table)
+    assert head(hidden[None]).tolist() == [b]
+    head.bound_per_unit_h = 0.0  # negative control: without the bound the screen alone picks a
+    assert head(hidden[None]).tolist() == [a]
+
+
+def test_screened_head_of_fp16_values_scores_the_fp16_table() -> None:
+    """--weights fp16: the model's head is the fp16 table, so its exact argmax is a."""
+    table, hidden, a, _ = near_tie_table()
+    assert ScreenedHead(table, fp16_values=True)(hidden[None]).tolist() == [a]
+
+
+def test_screened_head_equals_float64_argmax_on_many_rows_and_breaks_ties_low() -> None:
+    table = rand(5000, 96, seed=5, scale=0.05)
+    table[4000] = table[17]  # an exact tie: the lower id wins, as torch.argmax does
+    hidden = rand(40, 96, seed=6, scale=4.0)
+    hidden[3] = table[17] * 50
+    head = ScreenedHead(table)
+    want = (hidden.double() @ table.double().t()).argmax(-1)
+    assert torch.equal(head(hidden), want)
+    assert head(hidden)[3].item() == 17
+    assert torch.equal(torch.cat([head(hidden[i : i + 1]) for i in range(40)]), head(hidden))  # row-invariant
+    assert head(hidden.view(4, 10, 96)).shape == (4, 10)
+
+
+def test_screened_head_falls_back_on_non_finite_rows() -> None:
+    table, hidden = rand(100, 16, seed=9), rand(2, 16, seed=10)
+    hidden[1, 0] = float("nan")
+    got = ScreenedHead(table)(hidden)
+    assert got[0].item() == (hidden[0] @ table.t()).argmax().item()
+    assert 0 <= got[1].item() < 100
+
+
+def test_float32_model_gets_the_screened_head_and_greedy_output_is_unchanged(gemma_tiny: TinyModel) -> None:
+    model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
+    prompts = repetitive_prompts(gemma_tiny.cfg.vocab_size, 2)
+    reference = Engine(model).generate(prompts, 16, eos_token_ids=[])  # full float32 head
+    assert screen_head(model)
+    ids = torch.tensor([prompts[0] + reference[0].token_ids])
+    with torch.inference_mode():
+        hidden = model(ids, model.new_cache(1, ids.shape[1]))
+        exact = (hidden.double() @ model.head_weight.double().t()).argmax(-1)
+        assert torch.equal(model.greedy_tokens(hidden), exact)
+    assert [r.token_ids for r in Engine(model).generate(prompts, 16, eos_token_ids=[])] == [r.token_ids for r in reference]
+    speculative_equals_plain(model, prompts, 2)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_fp16_weights_speculative_output_equals_plain(gemma_tiny: TinyModel, batch: int) -> None:
+    """The default on CPUs without bf16 units (float32 activations, fp16 weights) is exact."""
+    model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
+    compact_weights(model, "fp16")
+    assert screen_head(model) and model.screened_head.fp16_values
+    assert any(isinstance(m, Fp16Linear) for m in model.layers.modules())
+    speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size), batch)
+
+
+def test_fp16_weights_stay_close_to_float32(gemma_tiny: TinyModel) -> None:
+    from conftest import prompts_of
+
+    ids = torch.tensor(prompts_of([20], gemma_tiny.cfg.vocab_size, seed=3))
+    dense, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
+    packed, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
+    compact_weights(packed, "fp16")
+    with torch.inference_mode():
+        ref = torch.log_softmax(dense.logits(dense(ids, dense.new_cache(1, 24))), -1)
+        got = torch.log_softmax(packed.logits(packed(ids, packed.new_cache(1, 24))), -1)
+    kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
+    assert 0 < kl < 1e-5, kl

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from conftest import TinyModel
+from specdraft.device import fp16_kernel_available
 from specdraft.loading import load_folder
-from specdraft.models import fp16_kernel
 from specdraft.models.fp16_kernel import PROBE_ROWS, fp16_mm, prepack_fp16, row_invariant
 from specdraft.models.quant import Fp16Linear, compact_weights
 from specdraft.models.screened_head import ScreenedHead, screen_head
 from specdraft.speculative.engine import Engine
 from test_quant import repetitive_prompts, speculative_equals_plain
 
-pytestmark = pytest.mark.skipif(not fp16_kernel.fp16_kernel_available(), reason="FBGEMM (x86 CPU builds) needed")
+pytestmark = pytest.mark.skipif(not fp16_kernel_available(), reason="FBGEMM (x86 CPU builds) needed")
 
 U = 2.0**-24
 
@@ -142,3 +142,20 @@ def test_fp16_weights_stay_close_to_float32(gemma_tiny: TinyModel) -> None:
         got = torch.log_softmax(packed.logits(packed(ids, packed.new_cache(1, 24))), -1)
     kl = (ref.exp() * (ref - got)).sum(-1).mean().item()
     assert 0 < kl < 1e-5, kl
+
+
+@pytest.mark.slow
+def test_compiled_fp16_step_is_exact_and_matches_eager(gemma_tiny: TinyModel) -> None:
+    """A compiled step reaches the fp16 weights through the specdraft::fp16_linear op: same
+    greedy tokens as eager, and speculative output equal to plain output."""
+    from specdraft.models.compile import compile_steps
+
+    model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
+    compact_weights(model, "fp16")
+    screen_head(model)
+    prompts = repetitive_prompts(gemma_tiny.cfg.vocab_size, 2)
+    eager = Engine(model).generate(prompts, 16, eos_token_ids=[])
+    step = compile_steps(model, announce=False)
+    assert [r.token_ids for r in Engine(model).generate(prompts, 16, eos_token_ids=[])] == [r.token_ids for r in eager]
+    assert step.compile_seconds > 0
+    speculative_equals_plain(model, prompts, 1)

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from conftest import TinyModel, prompts_of
-from specdraft.device import resolve_weights
+from specdraft.device import fp16_kernel_available, resolve_weights
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.loading import load_folder
-from specdraft.models.fp16_kernel import fp16_kernel_available
 from specdraft.models.quant import PACKED_MAX_ROWS, Int4Linear, Int8Head, Int8Linear, compact_linear, compact_weights
 from specdraft.speculative.engine import Engine
 
@@ -66,15 +65,11 @@ def test_widths_no_packed_kernel_takes_stay_dense() -> None:
     assert isinstance(compact_linear(even, "int4", BF16), Int4Linear)
 
 
-def test_weights_choice_is_checked(monkeypatch) -> None:
-    from specdraft import device
-
+def test_weights_choice_is_checked() -> None:
     cpu = torch.device("cpu")
     assert resolve_weights("auto", cpu, BF16) == "int8"
-    monkeypatch.setattr(device, "cpu_has_bf16_units", lambda: True)
-    assert resolve_weights("auto", cpu, torch.float32) == "dtype"  # float32 chosen on a bf16 CPU: the reference
-    monkeypatch.setattr(device, "cpu_has_bf16_units", lambda: False)
-    assert resolve_weights("auto", cpu, torch.float32) == ("fp16" if fp16_kernel_available() else "dtype")
+    assert resolve_weights("auto", cpu, torch.float32) == "dtype"  # float32 asked for: the reference
+    assert resolve_weights("auto", cpu, torch.float32, dtype_chosen=True) == ("fp16" if fp16_kernel_available() else "dtype")
     assert resolve_weights("dtype", cpu, torch.float32) == "dtype"
     assert resolve_weights("int8", cpu, torch.float32) == "int8"
     with pytest.raises(SpecdraftError, match="packed CPU kernels"):

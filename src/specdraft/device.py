@@ -52,23 +52,26 @@ WEIGHT_CHOICES = ("auto", "dtype", "int8", "int4", "fp16")
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)  # what torch's packed CPU kernels take
 
 
-def resolve_weights(name: str, device: torch.device, dtype: torch.dtype) -> str:
+def fp16_kernel_available() -> bool:
+    """FBGEMM's fp16-weight matmul is in torch's x86 CPU builds; not on ARM, not for CUDA tensors."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_prepack_fp16")
+
+
+def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_chosen: bool = False) -> str:
     """How weights are stored: `dtype` (as --dtype says), packed int8/int4, or fp16 (CPU only).
 
     auto = int8 on a CPU in bfloat16: it halves the bytes every step reads and its kernel gives
-    a row the same bits whatever the number of rows (BENCHMARKS.md, weight formats). On a CPU
-    without bf16 units (float32 there) auto = fp16: the int8 kernels are compute-bound there,
-    FBGEMM's fp16 kernel reads half the bytes at float32's arithmetic. `--dtype float32 --weights
-    dtype` is the exactness reference."""
-    from specdraft.models.fp16_kernel import fp16_kernel_available
-
+    a row the same bits whatever the number of rows (BENCHMARKS.md, weight formats). When
+    --dtype auto chose float32 (`dtype_chosen`: a CPU without bf16 units) auto = fp16: the int8
+    kernels are compute-bound there, FBGEMM's fp16 kernel reads half the bytes at float32's
+    arithmetic. A float32 the user asked for stays unquantised: it is the exactness reference."""
     if name not in WEIGHT_CHOICES:
         raise SpecdraftError(f"unknown weights {name!r} (use {', '.join(WEIGHT_CHOICES)})")
     packable = device.type == "cpu" and dtype in PACKABLE_DTYPES
     if name == "auto":
         if packable and dtype == torch.bfloat16:
             return "int8"
-        if device.type == "cpu" and dtype == torch.float32 and not cpu_has_bf16_units() and fp16_kernel_available():
+        if dtype_chosen and device.type == "cpu" and dtype == torch.float32 and fp16_kernel_available():
             return "fp16"
         return "dtype"
     if name in ("int8", "int4") and not packable:

@@ -69,11 +69,11 @@ class Runtime:
     @classmethod
     def load(cls, name_or_path: str, dtype: str = "auto", device: str = "auto", progress: bool = True,
              weights: str = "auto", compile: bool = False) -> "Runtime":
-        """Load a target. weights: auto | dtype | int8 | int4 (device.resolve_weights); compile:
+        """Load a target. weights: auto | dtype | int8 | int4 | fp16 (device.resolve_weights); compile:
         route decode/verify forwards through a torch.compile'd step (models/compile.py)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        fmt = resolve_weights(weights, dev, dt)
+        fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto")
         folder = resolve_model(name_or_path, progress)
         model, cfg, notes = load_folder(folder, dt, dev)
         compact_weights(model, fmt)

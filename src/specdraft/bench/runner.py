@@ -19,6 +19,7 @@ import torch
 from specdraft.bench import ALL_METHODS, DEFAULT_METHODS, PEER_METHODS, SPECDRAFT_METHODS, memory, metrics, peers
 from specdraft.bench.methods import BenchContext, Method, Skip, build_specdraft
 from specdraft.bench.questions import PLAIN_TEMPLATE, Question, encode, prompt_style, read_questions, select
+from specdraft.bench.steps import weight_bytes_per_step
 from specdraft.device import set_threads
 from specdraft.errors import SpecdraftError
 from specdraft.loading.presets import DEFAULT_MODEL
@@ -307,7 +308,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         "prompt_format": {"style": style,
                           "template": PLAIN_TEMPLATE if style == "plain" else "the model's chat template, one user turn"},
         "machine": machine_info(rt),
-        "target": {"name": rt.name, "folder": str(rt.folder), "weight_bytes": rt.nbytes(), "load_rss_delta": target_load},
+        "target": {"name": rt.name, "folder": str(rt.folder), "weight_bytes": rt.nbytes(),
+                   "step_bytes": weight_bytes_per_step(rt.model), "load_rss_delta": target_load},
         "methods": infos,
         "skipped": skipped,
         "questions": [{"index": i, "question_id": q.qid, "category": q.category, "prompt_tokens": len(ids[i])}

@@ -32,8 +32,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "else float32 (float32 is the exactness reference)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (auto = cuda when available)")
     p.add_argument("--weights", default="auto", choices=["auto", "dtype", "int8", "int4", "fp16"],
-                   help="how weights are stored: auto = int8 on a CPU in bfloat16, fp16 on a CPU without bf16 units "
-                        "(float32 there), else as --dtype; int8: one scale per row, near-lossless (KL 0.005 vs bf16 "
+                   help="how weights are stored: auto = int8 on a CPU in bfloat16, fp16 where --dtype auto chose float32 "
+                        "(CPUs without bf16 units), else as --dtype; int8: one scale per row, near-lossless (KL 0.005 vs bf16 "
                         "on gemma3-270m) and half the bytes; int4: a quarter of the bytes, measurably worse (KL 0.24); "
                         "fp16: half of float32's bytes, float32 arithmetic (x86 CPUs, --dtype float32); "
                         "dtype: unquantised (with --dtype float32: the exactness reference)")

@@ -13,7 +13,9 @@ at most four graphs per process. Prompts (wider forwards) stay eager.
 Compilation costs tens of seconds per graph on a small CPU (213 s for all four graphs of Gemma 3
 270M on 2 cores); Inductor's on-disk cache (under $TORCHINDUCTOR_CACHE_DIR, default
 /tmp/torchinductor_$USER) makes later processes faster. With int8 weights the packed matmuls
-dominate a CPU step, so compiling gains only ~7% there (BENCHMARKS.md): it is opt-in (--compile).
+dominate a CPU step, so compiling gains only ~7% there, and with fp16 weights on an AVX2 CPU
+~20% for ~5 minutes of compiling (BENCHMARKS.md): it is opt-in (--compile). FBGEMM's packed fp16
+weights are opaque to the compiler; the graph calls them through the specdraft::fp16_linear op.
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ choice and differs between CPUs; sizes it cannot fix are reported by `row_invari
 
 from __future__ import annotations
 
+import itertools
 import warnings
+import weakref
 from functools import lru_cache
 
 import torch
@@ -25,11 +27,6 @@ import torch
 PROBE_ROWS = 96  # decode/verify calls up to this many rows are padded (8 rows x 12 tokens)
 _PROBE_SEARCH = 12  # how far above M the probe looks for a size that gives canonical bits
 _CANONICAL = 3  # the block size a row is referenced against
-
-
-def fp16_kernel_available() -> bool:
-    """FBGEMM is in torch's x86 CPU builds; not on ARM, and not for CUDA tensors."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_prepack_fp16")
 
 
 def prepack_fp16(weight: torch.Tensor) -> torch.ScriptObject:
@@ -74,3 +71,28 @@ def fp16_mm(rows: torch.Tensor, packed: torch.ScriptObject, pad: bool = True) ->
         return _raw_mm(rows, packed)
     padded = torch.cat([rows, rows.new_zeros(size - m, rows.shape[1])])
     return _raw_mm(padded, packed)[:m]
+
+
+# torch.compile cannot trace FBGEMM's packed weights (an opaque ScriptObject), so a compiled step
+# reaches them through a custom op that takes a plain int naming the layer. The registry holds the
+# layers weakly: a model that is dropped frees its weights.
+_LAYERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_NEXT = itertools.count()
+
+
+def register(layer) -> int:
+    """A handle for `layer` (anything with `packed_fp16`) that compiled graphs can carry."""
+    handle = next(_NEXT)
+    _LAYERS[handle] = layer
+    return handle
+
+
+@torch.library.custom_op("specdraft::fp16_linear", mutates_args=())
+def fp16_linear(rows: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    """fp16_mm with the registered layer's weights, as one op a compiled graph calls out to."""
+    return fp16_mm(rows, _LAYERS[handle].packed_fp16)
+
+
+@fp16_linear.register_fake
+def _(rows: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], out_features, dtype=torch.float32)

@@ -23,6 +23,7 @@ from torch import nn
 
 from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models import int8_head
+from specdraft.models import fp16_kernel
 from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16
 
 WEIGHT_FORMATS = ("dtype", "int8", "int4", "fp16")  # dtype: weights stay in the model's dtype
@@ -145,10 +146,16 @@ class Fp16Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed_fp16 = prepack_fp16(weight)
         self.packed_nbytes = weight.numel() * 2
+        self.handle = fp16_kernel.register(self)  # how a compiled step names these weights
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fp16_mm(x.reshape(-1, self.in_features), self.packed_fp16).view(*x.shape[:-1], self.out_features)
+        rows = x.reshape(-1, self.in_features)
+        if torch.compiler.is_compiling():
+            y = torch.ops.specdraft.fp16_linear(rows, self.handle, self.out_features)
+        else:
+            y = fp16_mm(rows, self.packed_fp16)
+        y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.models.fp16_kernel import fp16_kernel_available, fp16_mm, prepack_fp16
+from specdraft.device import fp16_kernel_available
+from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16
 
 _U = 2.0**-24  # float32 unit roundoff
 _SLACK = 1.001  # headroom for computing the bound itself in float32 (a few roundings near B)

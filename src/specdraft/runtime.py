@@ -106,9 +106,8 @@ class Runtime:
     def nbytes(self) -> int:
         """Bytes of weights and packed buffers (the KV cache is counted apart)."""
         tensors = list(self.model.parameters()) + list(self.model.buffers())
-        packed = sum(getattr(m, "packed_nbytes", 0) for m in self.model.modules())  # FBGEMM's copies
-        screened = getattr(self.model, "screened_head", None)
-        return sum(t.numel() * t.element_size() for t in tensors) + packed + (screened.nbytes if screened is not None else 0)
+        packed = sum(getattr(m, "packed_nbytes", 0) for m in self.model.modules())  # FBGEMM's fp16 copies
+        return sum(t.numel() * t.element_size() for t in tensors) + packed
 
     def draft_policy(self, policy: str = "adaptive", progress: bool = False):
         """The engine's draft policy: "adaptive" (width per round from step costs measured on this

@@ -30,10 +30,9 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     embed = model.embed_tokens.weight
     total = sum(t.numel() * t.element_size() for i, t in tensors.items() if i != id(embed))
-    total += sum(getattr(m, "packed_nbytes", 0) for m in model.modules())  # FBGEMM's fp16 copies
+    total += sum(getattr(m, "packed_nbytes", 0) for m in model.modules())  # FBGEMM's fp16 copies (the screen's too)
     screened, packed_head = getattr(model, "screened_head", None), getattr(model, "packed_head", None)
     if screened is not None:  # greedy steps read the fp16 screen, not a float32 head
-        total += screened.nbytes
         if packed_head is None and model.lm_head is not None:
             total -= model.lm_head.weight.numel() * model.lm_head.weight.element_size()
     elif packed_head is None and model.lm_head is None:

@@ -8,7 +8,8 @@ LM head of Gemma 3 270M alone is 335 MB in bf16. Three weight-only formats:
 - fp16: weights rounded to fp16, float32 activations and sums; FBGEMM (models/fp16_kernel.py).
   For CPUs without bf16 units, where the int8/int4 kernels are compute-bound.
 
-Both kernels compute every output row on its own with a fixed reduction order, so a row's
+The int8 and int4 kernels compute every output row on its own with a fixed reduction order
+(fp16 gets there by padding its calls, see fp16_kernel.py), so a row's
 result does not depend on how many rows are computed together (checked by tests). That is what
 makes a K+1-row verification give the same bits as K+1 one-row steps, i.e. speculative output
 equal to plain output in the default configuration, which bf16 `F.linear` does not guarantee
@@ -23,8 +24,7 @@ from torch import nn
 
 from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models import int8_head
-from specdraft.models import fp16_kernel
-from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16
+from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16, register
 
 WEIGHT_FORMATS = ("dtype", "int8", "int4", "fp16")  # dtype: weights stay in the model's dtype
 INT4_GROUP = 32
@@ -146,7 +146,7 @@ class Fp16Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.packed_fp16 = prepack_fp16(weight)
         self.packed_nbytes = weight.numel() * 2
-        self.handle = fp16_kernel.register(self)  # how a compiled step names these weights
+        self.handle = register(self)  # how a compiled step names these weights
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

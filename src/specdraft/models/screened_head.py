@@ -36,6 +36,17 @@ _U = 2.0**-24  # float32 unit roundoff
 _SLACK = 1.001  # headroom for computing the bound itself in float32 (a few roundings near B)
 
 
+def _row_norm_maxima(weight: torch.Tensor, block: int = 8192) -> tuple[float, float]:
+    """(max ||w - fp16(w)||, max ||fp16(w)||) over the rows, in float64, a block of rows at a time
+    (the whole table in float64 would be 1.3 GB for Gemma 3's head)."""
+    err = norm = 0.0
+    for rows in weight.split(block):
+        w16 = rows.half().double()
+        err = max(err, (rows.double() - w16).norm(dim=1).max().item())
+        norm = max(norm, w16.norm(dim=1).max().item())
+    return err, norm
+
+
 class ScreenedHead(nn.Module):
     """argmax(h @ W^T) per row, exact, for a float32 or fp16 table W [V, H] on an x86 CPU."""
 
@@ -47,19 +58,12 @@ class ScreenedHead(nn.Module):
             raise ValueError(f"the screened head takes a float32 CPU table, not {weight.dtype} on {weight.device}")
         self.weight = weight  # rescoring reads its rows
         self.packed = packed if packed is not None else prepack_fp16(weight)
-        self.owns_copy = packed is None
         self.fp16_values = fp16_values
-        w16 = weight.half()
-        err = 0.0 if fp16_values else (weight.double() - w16.double()).norm(dim=1).max().item()
-        w16_norm = w16.double().norm(dim=1).max().item()
+        self.packed_nbytes = weight.numel() * 2 if packed is None else 0  # an fp16 copy of its own, or none
+        err, w16_norm = _row_norm_maxima(weight)
         k = weight.shape[1]
         gamma = k * _U / (1 - k * _U)
-        self.bound_per_unit_h = (err + gamma * w16_norm) * _SLACK  # B / ||h||
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the fp16 copy this head added (none when it screens with the model's own)."""
-        return self.weight.numel() * 2 if self.owns_copy else 0
+        self.bound_per_unit_h = ((0.0 if fp16_values else err) + gamma * w16_norm) * _SLACK  # B / ||h||
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> argmax token ids [...] of the exact scores."""

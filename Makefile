@@ -30,8 +30,12 @@ demo: install
 	$(BIN)/specdraft models
 	$(BIN)/specdraft generate "$$(printf '$(DEMO_PROMPT)')" --max-new-tokens 96
 
+# Two workers, one test file each at a time: the tests run one intra-op thread each (tiny models,
+# see tests/conftest.py), so a second worker uses the second core instead of idling it.
+TEST_WORKERS ?= 2
+
 test: install-test
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 clean:
 	rm -rf $(VENV) .pytest_cache

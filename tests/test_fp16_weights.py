@@ -153,9 +153,11 @@ def test_compiled_fp16_step_is_exact_and_matches_eager(gemma_tiny: TinyModel) ->
     model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
     compact_weights(model, "fp16")
     screen_head(model)
+    # Two rows throughout: the batched graphs (batch 1 has graphs of its own, built in ~20 s
+    # each; test_quant's compiled tests cover them).
     prompts = repetitive_prompts(gemma_tiny.cfg.vocab_size, 2)
     eager = Engine(model).generate(prompts, 16, eos_token_ids=[])
     step = compile_steps(model, announce=False)
     assert [r.token_ids for r in Engine(model).generate(prompts, 16, eos_token_ids=[])] == [r.token_ids for r in eager]
     assert step.compile_seconds > 0
-    speculative_equals_plain(model, prompts, 1)
+    speculative_equals_plain(model, prompts, 2)

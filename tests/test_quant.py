@@ -157,8 +157,9 @@ def test_compiled_bf16_int8_speculative_output_equals_plain(gemma_tiny: TinyMode
     from specdraft.models.compile import compile_steps
 
     model = packed_tiny(gemma_tiny, "int8")
-    compile_steps(model, announce=False)
-    speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size, 2), 1)
+    step = compile_steps(model, announce=False)
+    speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size, 1), 1)  # batch-1 graphs only
+    assert step.compile_seconds > 0
 
 
 def test_int8_head_without_a_compiler_falls_back_to_the_packed_kernel(gemma_tiny: TinyModel, monkeypatch, capsys) -> None:

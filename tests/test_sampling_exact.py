@@ -40,7 +40,7 @@ from specdraft.speculative.policy import AdaptivePolicy, DraftPolicy
 V = 16
 PROMPT = [5, 9, 5, 9, 7, 5]  # repeats, so the n-gram drafter finds matches
 N = 100_000
-CHUNK = 50_000
+CHUNK = 4000
 NEGATIVE_N = 20_000  # the negative controls' errors are large (TV several %): fewer samples suffice
 ALPHA = 1e-3
 DELTA = 0.02

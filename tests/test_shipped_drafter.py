@@ -48,9 +48,7 @@ def test_default_configuration_is_exact_too(batch: int):
     """What users run by default on this CPU (bfloat16 with int8 weights where it has bf16 units,
     float32 with fp16 weights where not), not just float32: every drafter gives plain decoding's
     greedy tokens, one prompt at a time and batched."""
-    rt = default_runtime()
-    ids = [rt.tokenizer.encode(p) for p in PROMPTS + ["Repeat after me: one two three, one two three,"]]
-    plain = rt.engine().generate(ids, 40)
+    rt, ids, plain = default_runtime_and_plain()
     for kind in ("mtp+ngram", "mtp", "ngram"):
         drafter, _, k = load_drafter(rt, kind, None, None)
         for start in range(0, len(ids), batch):
@@ -62,11 +60,14 @@ def test_default_configuration_is_exact_too(batch: int):
 _DEFAULT: list = []
 
 
-def default_runtime() -> Runtime:
+def default_runtime_and_plain() -> tuple[Runtime, list[list[int]], list]:
+    """The default runtime, the test's prompts and their plain greedy outputs (computed once)."""
     if not _DEFAULT:
-        _DEFAULT.append(Runtime.load("gemma3-270m", "auto", "cpu", progress=False))
-        assert _DEFAULT[0].weights == ("int8" if _DEFAULT[0].dtype == torch.bfloat16 else "fp16")
-    return _DEFAULT[0]
+        rt = Runtime.load("gemma3-270m", "auto", "cpu", progress=False)
+        assert rt.weights == ("int8" if rt.dtype == torch.bfloat16 else "fp16")
+        ids = [rt.tokenizer.encode(p) for p in PROMPTS + ["Repeat after me: one two three, one two three,"]]
+        _DEFAULT.extend([rt, ids, rt.engine().generate(ids, 40)])
+    return tuple(_DEFAULT)
 
 
 def test_full_cpu_batches_run_plain_rounds(gemma_tiny):

@@ -191,6 +191,8 @@ def compact_weights(model: nn.Module, fmt: str) -> None:
                          f"this model runs in {dtype} on {model.head_weight.device.type}")
     if fmt == "fp16" and dtype != torch.float32:
         raise ValueError(f"--weights fp16 computes in float32 (FBGEMM); this model runs in {dtype}")
+    if hasattr(model, "fuse_projections"):
+        model.fuse_projections()  # fewer, wider kernel calls per layer
     for layer in model.layers:
         for child in list(layer.modules()):
             for attr, sub in list(child.named_children()):

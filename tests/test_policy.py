@@ -19,7 +19,7 @@ from specdraft.drafters.mtp_lookup import MTPWithLookup
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
-from specdraft.speculative.policy import (AdaptivePolicy, FixedPolicy, MeasuredCosts, cost_key, monotone,
+from specdraft.speculative.policy import (LEARNING_RATE, AdaptivePolicy, FixedPolicy, MeasuredCosts, cost_key, monotone,
                                           profiled_widths, row_buckets)
 
 
@@ -295,3 +295,43 @@ def test_adaptive_engine_samples_with_truncated_drafts(gemma_tiny, mtp_lookup):
 
     first = run()
     assert all(len(t) == 24 for t in first) and run() == first
+
+
+def test_sampling_rounds_learn_from_acceptance_chances():
+    """At temperature > 0 a judged draft moves the estimate towards the chance it had of being
+    accepted (min(1, P/Q)), not towards the coin's 0 or 1; unjudged positions stay put."""
+    p = policy_for(FakeCosts(lambda n, w: 1.0), k=4, prior={"mtp": 0.5})
+    row = p.new_row("mtp")
+    p.observe(row, "mtp", 3, 1, [0.9, 0.4, 0.7])  # d1 accepted, d2 rejected, d3 unjudged
+    a = row.rates["mtp"]
+    assert a[0] == pytest.approx(0.5 + LEARNING_RATE * (0.9 - 0.5))
+    assert a[1] == pytest.approx(0.5 + LEARNING_RATE * (0.4 - 0.5))
+    assert a[2:] == [0.5, 0.5]
+    fresh = policy_for(FakeCosts(lambda n, w: 1.0), k=4, prior={"mtp": 0.5})  # (p pooled the row above)
+    greedy = fresh.new_row("mtp")
+    fresh.observe(greedy, "mtp", 3, 1)  # no chances: the outcomes themselves
+    assert greedy.rates["mtp"][:2] == [pytest.approx(0.5 + LEARNING_RATE * 0.5), pytest.approx(0.5 - LEARNING_RATE * 0.5)]
+
+
+class RecordingPolicy(FixedPolicy):
+    def __init__(self, width: int):
+        super().__init__(width)
+        self.seen: list = []
+
+    def observe(self, state, source, drafted, accepted, chances=None):
+        self.seen.append((drafted, accepted, chances))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_reports_chances_only_when_sampling(llama_tiny, temperature):
+    policy = RecordingPolicy(3)
+    prompts = [p + p for p in prompts_of([7, 9], llama_tiny.cfg.vocab_size, seed=3)]
+    engine = Engine(llama_tiny.ours, drafter=NgramDrafter(), draft_tokens=3, policy=policy)
+    engine.generate(prompts, 12, SamplingParams(temperature, seed=0), eos_token_ids=[])
+    judged = [(d, a, c) for d, a, c in policy.seen if d > 0]
+    assert judged
+    for drafted, accepted, chances in judged:
+        if temperature == 0:
+            assert chances is None
+        else:
+            assert len(chances) >= drafted and all(0.0 <= c <= 1.0 for c in chances[:drafted])

@@ -266,6 +266,28 @@ def test_early_stop_gives_ragged_draft_lengths(target, drafters) -> None:
         assert kept == 3 or q[row, kept - 1] < EARLY_STOP
 
 
+def test_acceptance_chances_are_the_verifiers_acceptance_probabilities() -> None:
+    """min(1, P/Q) per draft (P itself for point masses), 0 past a row's valid drafts; and over
+    many draws the verifier accepts the first draft that often."""
+    from specdraft.speculative.verify import acceptance_chances, verify_sampling
+
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(2, 3, V, generator=gen), -1)  # P_0..P_2 for 2 rows
+    q = torch.softmax(torch.randn(2, 2, V, generator=gen), -1)
+    drafts = torch.tensor([[3, 7], [1, 2]])
+    valid = torch.tensor([2, 1])
+    want = (p[:, :2].gather(2, drafts[..., None]).squeeze(2) / q.gather(2, drafts[..., None]).squeeze(2)).clamp(max=1)
+    want[1, 1] = 0.0
+    assert torch.allclose(acceptance_chances(p, drafts, q, valid), want)
+    point = acceptance_chances(p, drafts, None, valid)
+    assert torch.equal(point[0], p[0, :2].gather(1, drafts[0, :, None]).squeeze(1))
+    n = 20_000
+    rows = verify_sampling(p[:1].expand(n, -1, -1), drafts[:1].expand(n, -1), q[:1].expand(n, -1, -1),
+                           valid[:1].expand(n), torch.Generator().manual_seed(1))[0]
+    rate = (rows >= 1).double().mean().item()
+    assert abs(rate - want[0, 0].item()) < 4 * math.sqrt(want[0, 0] * (1 - want[0, 0]) / n) + 1e-9
+
+
 def test_clustered_q_really_excludes_tokens(target, drafters) -> None:
     """The MTP case is only meaningful if Q misses tokens P gives mass to: check Q's support."""
     inp = draft_input(target, 4)

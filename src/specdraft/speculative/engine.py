@@ -31,7 +31,7 @@ from specdraft.speculative.policy import DraftPolicy, FixedPolicy
 from specdraft.speculative.request import GenerationResult, Request, SamplingGroup
 from specdraft.speculative.stats import RequestStats, Timer
 from specdraft.speculative.stops import StopChecker
-from specdraft.speculative.verify import verify_greedy, verify_sampling
+from specdraft.speculative.verify import acceptance_chances, verify_greedy, verify_sampling
 from specdraft.tokenizer import Tokenizer
 
 MAX_DRAFT_TOKENS = 32
@@ -298,7 +298,7 @@ class Engine:
             self.hidden = hidden.new_zeros(self.tokens.shape[0], hidden.shape[-1])
         with self.timer.phase("verify"):
             none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
-            _, first = self._verify(hidden[:, None], Draft(none, none.new_zeros(len(rows))), rows)
+            _, first, _ = self._verify(hidden[:, None], Draft(none, none.new_zeros(len(rows))), rows)
         for slot in slots:  # each swap only touches slots below the next one
             if slot != self.n_dec:
                 self._swap(slot, self.n_dec)
@@ -327,7 +327,7 @@ class Engine:
         kk = draft.tokens.shape[1]
         with timer.phase("verify"):
             out = self.model(torch.cat([last[:, None], draft.tokens], dim=1), cache)
-            accepted, nxt = self._verify(out, draft, rows)
+            accepted, nxt, chances = self._verify(out, draft, rows)
         with timer.phase("other"):
             # Accept: write b's successors d1..dn, t into the history; the cache keeps b and d1..dn.
             steps = torch.arange(kk + 1, device=self.device)
@@ -341,8 +341,9 @@ class Engine:
             lookup = draft.lookup if draft.lookup is not None else torch.zeros_like(accepted, dtype=torch.bool)
             # One host sync for everything the bookkeeping needs.
             host = torch.cat([emitted, accepted[:, None], draft.num_valid[:, None], lookup[:, None].long()], 1).tolist()
+            chance_rows = chances.tolist() if chances is not None else [None] * n
             cache.rollback([r.position + h[kk + 1] + 2 for r, h in zip(rows, host)])
-            for row, h in zip(rows, host):
+            for row, h, chance in zip(rows, host, chance_rows):
                 a, valid = h[kk + 1], h[kk + 2]
                 row.position += a + 1
                 s = row.stats
@@ -352,7 +353,8 @@ class Engine:
                 for j in range(a):
                     s.accepted_by_position[j] += 1
                 source = self._source(bool(h[kk + 3]))
-                self.policy.observe(row.acceptance, source if kk else None, valid, a)
+                self.policy.observe(row.acceptance, source if kk else None, valid, a,
+                                    None if row.group.params.greedy else chance)
                 self._emit(row, h[: a + 1], [source] * a + ["target"])
             self._remove_finished()
 
@@ -381,9 +383,11 @@ class Engine:
             draft = self.drafter.propose(inp, k, GREEDY, None)
         return _truncate(draft, width)
 
-    def _verify(self, hidden: torch.Tensor, draft: Draft, rows: list[_Row]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(accepted count, next token) per row from the target's hidden states [B, K+1, H]:
-        greedy rows together, each sampling group with its own parameters and random stream."""
+    def _verify(self, hidden: torch.Tensor, draft: Draft, rows: list[_Row]):
+        """(accepted count, next token, acceptance chances) per row from the target's hidden
+        states [B, K+1, H]: greedy rows together, each sampling group with its own parameters and
+        random stream. Chances [B, K] (the probability each draft had of being accepted, for the
+        draft policy) are None when every row is greedy, NaN on greedy rows otherwise."""
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(rows):
             groups.setdefault(0 if r.group.params.greedy else id(r.group), []).append(i)
@@ -391,21 +395,26 @@ class Engine:
             return self._verify_group(hidden, draft.tokens, draft.num_valid, draft.probs, rows[0].group)
         accepted = torch.empty(len(rows), dtype=torch.long, device=self.device)
         nxt = torch.empty_like(accepted)
+        chances = torch.full(draft.tokens.shape, float("nan"), device=self.device)
         for idx in groups.values():
             at = torch.tensor(idx, device=self.device)
             probs = draft.probs[at] if draft.probs is not None else None
-            accepted[at], nxt[at] = self._verify_group(hidden[at], draft.tokens[at], draft.num_valid[at], probs,
-                                                       rows[idx[0]].group)
-        return accepted, nxt
+            accepted[at], nxt[at], chance = self._verify_group(hidden[at], draft.tokens[at], draft.num_valid[at],
+                                                               probs, rows[idx[0]].group)
+            if chance is not None:
+                chances[at, : chance.shape[1]] = chance
+        return accepted, nxt, chances
 
-    def _verify_group(self, hidden, drafts, num_valid, q, group: SamplingGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    def _verify_group(self, hidden, drafts, num_valid, q, group: SamplingGroup):
         if group.params.greedy:  # only the argmax matters: no V-wide float32 logits
-            return verify_greedy(self.model.greedy_tokens(hidden), drafts, num_valid)
+            return *verify_greedy(self.model.greedy_tokens(hidden), drafts, num_valid), None
         # Only the group's own drafts: its random draws then never depend on the round's width.
         width = int(num_valid.max()) if drafts.shape[1] else 0
         probs = probabilities(self.model.logits(hidden[:, : width + 1]), group.params)
         q = q[:, :width] if q is not None else None
-        return verify_sampling(probs, drafts[:, :width], q, num_valid, group.generator)
+        drafts = drafts[:, :width]
+        accepted, nxt = verify_sampling(probs, drafts, q, num_valid, group.generator)
+        return accepted, nxt, acceptance_chances(probs, drafts, q, num_valid)
 
     # --- output -------------------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:

@@ -63,8 +63,10 @@ class DraftPolicy:
         """The round's width W for these decoding rows' states: 0 = a plain step."""
         raise NotImplementedError
 
-    def observe(self, state, source: str | None, drafted: int, accepted: int) -> None:
-        """A row's round: `drafted` drafts verified (0 for a plain round), `accepted` of them taken."""
+    def observe(self, state, source: str | None, drafted: int, accepted: int,
+                chances: list[float] | None = None) -> None:
+        """A row's round: `drafted` drafts verified (0 for a plain round), `accepted` of them taken;
+        `chances`, when sampling: the probability each draft had of being accepted."""
 
 
 class FixedPolicy(DraftPolicy):
@@ -172,7 +174,8 @@ class AdaptivePolicy(DraftPolicy):
                 best, best_rate = w, rate
         return best
 
-    def observe(self, state: RowAcceptance | None, source: str | None, drafted: int, accepted: int) -> None:
+    def observe(self, state: RowAcceptance | None, source: str | None, drafted: int, accepted: int,
+                chances: list[float] | None = None) -> None:
         if state is None:
             return
         if source is None:
@@ -184,9 +187,14 @@ class AdaptivePolicy(DraftPolicy):
         rates, pooled = self._rates(state, source), self._start(source)
         # Draft j was judged only if drafts 1..j-1 were accepted: positions 1..accepted passed,
         # position accepted+1 failed (a lookup without a match counts as a failed first draft);
-        # later ones say nothing.
+        # later ones say nothing. When sampling, a judged draft counts with the chance it had
+        # (min(1, P/Q)) instead of the coin's outcome: the same mean, a fraction of the noise, so
+        # one unlucky round no longer stops a row drafting for dozens of rounds.
         for j in range(min(accepted + 1, max(drafted, 1), len(rates))):
-            hit = 1.0 if j < accepted else 0.0
+            if chances is not None and j < drafted:
+                hit = chances[j]
+            else:
+                hit = 1.0 if j < accepted else 0.0
             rates[j] += LEARNING_RATE * (hit - rates[j])
             pooled[j] += POOL_RATE * (hit - pooled[j])
 

@@ -48,13 +48,7 @@ def verify_sampling(
     The output is distributed exactly as sampling from the target alone.
     """
     b, k = drafts.shape
-    p_draft = target_probs[:, :k].gather(2, drafts[:, :, None]).squeeze(2)  # [B, K]
-    if draft_probs is None:
-        q_draft = torch.ones_like(p_draft)
-    elif isinstance(draft_probs, SparseProbs):
-        q_draft = draft_probs.at(drafts)
-    else:
-        q_draft = draft_probs.gather(2, drafts[:, :, None]).squeeze(2)
+    p_draft, q_draft = _draft_likelihoods(target_probs, drafts, draft_probs)
     r = torch.rand(b, k, generator=generator, device=drafts.device)
     # r < p/q without dividing (q > 0 for any drawn token).
     accept = (r * q_draft < p_draft) & _valid(num_valid, k)
@@ -81,3 +75,28 @@ def verify_sampling(
     residual = torch.where(total > 0, residual, p_at)
     token = sample(residual, generator)
     return n, token
+
+
+def _draft_likelihoods(target_probs: torch.Tensor, drafts: torch.Tensor,
+                       draft_probs: torch.Tensor | SparseProbs | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(P_i(d_i+1), Q_i(d_i+1)) [B, K] each; Q is 1 for point-mass (argmax or lookup) drafts."""
+    k = drafts.shape[1]
+    p_draft = target_probs[:, :k].gather(2, drafts[:, :, None]).squeeze(2)
+    if draft_probs is None:
+        return p_draft, torch.ones_like(p_draft)
+    if isinstance(draft_probs, SparseProbs):
+        return p_draft, draft_probs.at(drafts)
+    return p_draft, draft_probs.gather(2, drafts[:, :, None]).squeeze(2)
+
+
+def acceptance_chances(target_probs: torch.Tensor, drafts: torch.Tensor,
+                       draft_probs: torch.Tensor | SparseProbs | None, num_valid: torch.Tensor) -> torch.Tensor:
+    """[B, K]: min(1, P_i(d)/Q_i(d)), the probability with which `verify_sampling` accepts each
+    draft once the drafts before it were accepted (0 past a row's valid drafts).
+
+    Its mean over rounds is the acceptance rate without the coin flip's variance, which is what an
+    adaptive draft length should learn from at temperature > 0. Reading it never changes what is
+    emitted: it is a function of this round's P and Q, and only later rounds' widths depend on it."""
+    p_draft, q_draft = _draft_likelihoods(target_probs, drafts, draft_probs)
+    chance = torch.where(q_draft > 0, p_draft / q_draft.clamp(min=torch.finfo(q_draft.dtype).tiny), 0.0)
+    return chance.clamp(max=1.0) * _valid(num_valid, drafts.shape[1])

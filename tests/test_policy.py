@@ -19,7 +19,7 @@ from specdraft.drafters.mtp_lookup import MTPWithLookup
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
-from specdraft.speculative.policy import (LEARNING_RATE, AdaptivePolicy, FixedPolicy, MeasuredCosts, cost_key, monotone,
+from specdraft.speculative.policy import (LEARNING_RATE, SAMPLED_LEARNING_RATE, SAMPLED_RELAX, AdaptivePolicy, FixedPolicy, MeasuredCosts, cost_key, monotone,
                                           profiled_widths, row_buckets)
 
 
@@ -304,9 +304,12 @@ def test_sampling_rounds_learn_from_acceptance_chances():
     row = p.new_row("mtp")
     p.observe(row, "mtp", 3, 1, [0.9, 0.4, 0.7])  # d1 accepted, d2 rejected, d3 unjudged
     a = row.rates["mtp"]
-    assert a[0] == pytest.approx(0.5 + LEARNING_RATE * (0.9 - 0.5))
-    assert a[1] == pytest.approx(0.5 + LEARNING_RATE * (0.4 - 0.5))
+    assert a[0] == pytest.approx(0.5 + SAMPLED_LEARNING_RATE * (0.9 - 0.5))
+    assert a[1] == pytest.approx(0.5 + SAMPLED_LEARNING_RATE * (0.4 - 0.5))
     assert a[2:] == [0.5, 0.5]
+    before = a[0]
+    p.observe(row, None, 0, 0)  # a plain round: a sampling row relaxes at its own (faster) rate
+    assert a[0] == pytest.approx(before + SAMPLED_RELAX * (0.5 - before))
     fresh = policy_for(FakeCosts(lambda n, w: 1.0), k=4, prior={"mtp": 0.5})  # (p pooled the row above)
     greedy = fresh.new_row("mtp")
     fresh.observe(greedy, "mtp", 3, 1)  # no chances: the outcomes themselves

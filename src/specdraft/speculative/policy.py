@@ -37,6 +37,13 @@ from specdraft.sampling import SamplingParams
 # pessimistic prior would never draft and so never learn otherwise.
 PRIOR = {"lookup": 0.8, "mtp": 0.6, "draft": 0.6}
 LEARNING_RATE = 0.3  # weight of one round's outcome in a row's estimate
+# Sampling rows learn from each draft's acceptance chance (see observe). At temperature 1 the
+# MTP drafter's first-draft chance averages ~0.35 against a break-even of ~0.3 (2-core CPU), so a
+# short memory keeps dipping below break-even and the row then waits in plain rounds: replaying
+# chances recorded at T=1 through this policy gave 0.94x the best fixed width with (0.3, 0.01)
+# and 0.99x with (0.1, 0.05) (BENCHMARKS.md).
+SAMPLED_LEARNING_RATE = 0.1
+SAMPLED_RELAX = 0.05
 POOL_RATE = 0.05  # the same for the engine-wide estimate a new request starts from
 RELAX = 0.01  # per plain round: how far unobserved estimates move back towards the prior (a failed
 # probe then costs one wide round in a few dozen plain ones)
@@ -90,6 +97,7 @@ class RowAcceptance:
     def __init__(self, source: str, lookups: bool, prompt: list[int] = ()):
         self.source, self.lookups = source, lookups  # lookups: the drafter mixes them in (mtp+ngram)
         self.rates: dict[str, list[float]] = {}
+        self.sampled = False  # its rounds report acceptance chances (temperature > 0)
         self._seen: set[tuple[int, int]] = set()  # every bigram but the last
         self._last: tuple[int, ...] = ()
         if lookups:
@@ -180,10 +188,13 @@ class AdaptivePolicy(DraftPolicy):
             return
         if source is None:
             # A plain round, no evidence: drift back towards the priors so the row gets re-tried.
+            relax = SAMPLED_RELAX if state.sampled else RELAX
             for src, rates in state.rates.items():
                 prior = self.prior.get(src, 0.5)
-                rates[:] = [r + RELAX * (prior - r) for r in rates]
+                rates[:] = [r + relax * (prior - r) for r in rates]
             return
+        state.sampled |= chances is not None
+        rate = SAMPLED_LEARNING_RATE if state.sampled else LEARNING_RATE
         rates, pooled = self._rates(state, source), self._start(source)
         # Draft j was judged only if drafts 1..j-1 were accepted: positions 1..accepted passed,
         # position accepted+1 failed (a lookup without a match counts as a failed first draft);
@@ -195,7 +206,7 @@ class AdaptivePolicy(DraftPolicy):
                 hit = chances[j]
             else:
                 hit = 1.0 if j < accepted else 0.0
-            rates[j] += LEARNING_RATE * (hit - rates[j])
+            rates[j] += rate * (hit - rates[j])
             pooled[j] += POOL_RATE * (hit - pooled[j])
 
 

@@ -195,6 +195,7 @@ def test_cost_cache_round_trip(gemma_tiny, tmp_path):
 
     other = MeasuredCosts({**key, "threads": key["threads"] + 1}, tmp_path)
     assert other.target == {}
+    assert MeasuredCosts({**key, "code": "an older forward"}, tmp_path).target == {}  # code changes re-profile too
     other.ensure(model, drafter, 1, 2, 2)
     assert other.profiled > 0 and other.path != first.path
 

@@ -21,6 +21,7 @@ greedy output and sampling stay exact.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -227,8 +228,20 @@ def cost_key(model_name: str, folder: str, weights: str, dtype: str, device: tor
     return {
         "model": model_name, "folder": str(folder), "weights": weights, "dtype": dtype, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "code": forward_code_digest(),
     }
+
+
+@functools.lru_cache(maxsize=1)
+def forward_code_digest() -> str:
+    """A hash of the source that decides what a forward costs (models/, the KV cache): an update
+    that makes steps cheaper or dearer re-profiles instead of trusting an old table."""
+    root = Path(__file__).resolve().parents[1]
+    files = sorted((root / "models").glob("*.py")) + [root / "kv_cache.py"]
+    digest = hashlib.sha1()
+    for f in files:
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 COSTS_ENV = "SPECDRAFT_COSTS_DIR"  # where cost tables go, if not $SPECDRAFT_CACHE/costs (tests: a temp dir)

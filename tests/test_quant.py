@@ -181,3 +181,22 @@ def test_int8_head_without_a_compiler_falls_back_to_the_packed_kernel(gemma_tiny
     packed = torch.ops.aten._weight_int8pack_mm(x, model.packed_head.qweight, model.packed_head.scales)
     assert torch.equal(model.packed_head.packed_mm(x), packed)
     speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size, 2), 1)
+
+
+def test_fused_projections_compute_what_the_separate_ones_did(gemma_tiny: TinyModel) -> None:
+    """q/k/v and gate/up stacked into one linear each (done before packing): the same logits up
+    to float32 rounding, the same greedy tokens; fusing twice changes nothing."""
+    model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
+    prompts = repetitive_prompts(gemma_tiny.cfg.vocab_size, 2)
+    ids = torch.tensor([prompts[0]])
+    with torch.inference_mode():
+        ref = model.logits(model(ids, model.new_cache(1, 64)))
+        plain = Engine(model).generate(prompts, 16, eos_token_ids=[])
+        model.fuse_projections()
+        model.fuse_projections()
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        assert attn.qkv_proj is not None and not hasattr(attn, "q_proj")
+        assert mlp.gate_up_proj is not None and not hasattr(mlp, "gate_proj")
+        got = model.logits(model(ids, model.new_cache(1, 64)))
+    assert (got - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    assert [r.token_ids for r in Engine(model).generate(prompts, 16, eos_token_ids=[])] == [r.token_ids for r in plain]

@@ -75,6 +75,8 @@ class GatedMLP(nn.Module):
 
     def fuse_projections(self) -> None:
         """gate_proj and up_proj as one linear (one kernel call instead of two)."""
+        if self.gate_up_proj is not None:  # already fused
+            return
         self.gate_up_proj = stack_linears((self.gate_proj, self.up_proj))
         del self.gate_proj, self.up_proj
 

@@ -15,6 +15,7 @@ import json
 import random
 from pathlib import Path
 
+from specdraft.errors import SpecdraftError
 from specdraft.loading.presets import resolve_model
 from specdraft.tokenizer import Tokenizer
 
@@ -63,7 +64,12 @@ def main() -> None:
         ap.error("--tokens must be >= 100 and --count >= 1")
     if not args.source.is_file():
         ap.error(f"no such file: {args.source}")
-    tokenizer = Tokenizer(resolve_model(args.model))
+    if not args.out.parent.is_dir():
+        ap.error(f"no such folder for --out: {args.out.parent}")
+    try:
+        tokenizer = Tokenizer(resolve_model(args.model))
+    except SpecdraftError as e:
+        ap.error(str(e))
     docs, rng = passages(args.source), random.Random(args.seed)
     with args.out.open("w") as f:
         for i in range(args.count):

@@ -159,6 +159,13 @@ def test_default_heads_get_to_data_generation(capsys, smollm2_like, tmp_path, no
     (["--clusters", "8", "--top-k-clusters", "9"], "--top-k-clusters 9 exceeds --clusters 8 (try 1)"),
     (["--clusters", "16", "--top-k-clusters", "0"], "--top-k-clusters 0 must be >= 1"),
     (["--seed", "-1"], "--seed -1 must be between 0 and"),
+    (["--skip-prompts", "-1"], "--skip-prompts -1 must be >= 0"),
+    (["--skip-prompts", "3"], "--skip-prompts 3 leaves no training prompts"),
+    (["--corpus-texts", "0"], "--corpus-texts 0 must be >= 1"),
+    (["--shortlist", "0"], "--shortlist 0 must be >= 1"),
+    (["--corpus", "/no/such/corpus.jsonl"], "corpus file /no/such/corpus.jsonl does not exist"),
+    (["--init-from", "/no/such/drafter"], "--init-from /no/such/drafter: not a drafter folder (no config.json)"),
+    (["--init-from", "shipped"], "--init-from shipped: no drafter ships for"),
 ])
 def test_every_setting_is_checked_before_generation(capsys, smollm2_like, tmp_path, no_generation, args, needle):
     line = one_line(*run_train(capsys, smollm2_like, tmp_path, *args))
@@ -176,6 +183,17 @@ def test_resume_refuses_flags_that_contradict_the_checkpoint(capsys, smollm2_lik
     assert no_generation == []
     code, err = run_train(capsys, smollm2_like, tmp_path, "--resume")
     assert code == 2 and err.strip().endswith("data generation reached") and "(from the checkpoint)" in err, err
+
+
+def test_init_from_keeps_the_drafters_shape(capsys, smollm2_like, tmp_path, no_generation):
+    rt = Runtime.load(str(smollm2_like), "float32", "cpu", progress=False)
+    folder = tmp_path / "trained"
+    save_network(init_network(_drafter_config(rt, train_args(smollm2_like, tmp_path, "--hidden", "48"), 4), rt.model),
+                 folder)
+    line = one_line(*run_train(capsys, smollm2_like, tmp_path, "--init-from", str(folder), "--hidden", "32"))
+    assert "--hidden 32 differs from the drafter given to --init-from" in line and "(--hidden 48)" in line, line
+    code, err = run_train(capsys, smollm2_like, tmp_path, "--init-from", str(folder))
+    assert code == 2 and err.strip().endswith("data generation reached") and "hidden 48" in err, err
 
 
 def test_init_drafter_derives_heads_too(capsys, smollm2_like, tmp_path):

@@ -168,3 +168,101 @@ def test_decoding_replay_jumps_past_accepted_drafts():
     # Invalid anchors end the replay.
     valid[4] = False
     assert replay_greedy_decoding(anchors, valid, prefix, prompt_length=5) == (3 + 1, 2)
+
+
+# --------------------------------------------------------------------------- prefill distillation
+
+
+@pytest.fixture(scope="module")
+def corpus_seqs(tiny_target, tmp_path_factory):
+    from specdraft.training.corpus import CorpusConfig, build_corpus_dataset
+
+    texts = [" ".join(word_prompts(24, seed)) for seed in range(10, 16)]  # ~130-200 tokens each
+    cfg = CorpusConfig(chunk_tokens=48, min_tokens=8, batch_size=4, shard_texts=4, topk=4)
+    out = tmp_path_factory.mktemp("corpus")
+    return texts, load_sequences(build_corpus_dataset(tiny_target, texts, out, cfg))
+
+
+def test_corpus_chunks_are_the_text_cut_at_chunk_length(tiny_target, corpus_seqs):
+    from specdraft.training.corpus import text_chunks
+
+    tok = tiny_target.tokenizer
+    texts, seqs = corpus_seqs
+    assert all(s.corpus and s.prompt_length == 1 for s in seqs)
+    ids = tok.encode(texts[0])
+    bos, body = ids[0], ids[1:]
+    assert len(body) > 2 * 47
+    pieces = text_chunks(tok, [texts[0]], 48, 8)
+    # Pieces of 47 text tokens, each after its own BOS; a tail shorter than min_tokens is dropped.
+    expect = [[bos] + body[i : i + 47] for i in range(0, len(body), 47)]
+    assert pieces == [e for e in expect if len(e) >= 8]
+    # Every shard sequence is one such piece of one of the texts.
+    all_pieces = {tuple(c) for c in text_chunks(tok, texts, 48, 8)}
+    assert {tuple(s.tokens.tolist()) for s in seqs} == all_pieces and len(seqs) == len(all_pieces)
+
+
+def test_corpus_records_are_a_forward_pass_and_the_targets_top_k(tiny_target, corpus_seqs):
+    """Every position's label is the target's own top-k, from the same forward the hidden states come from."""
+    from specdraft.training.data import read_slots
+
+    model = tiny_target.model
+    for s in corpus_seqs[1][:4]:
+        n = len(s.tokens)
+        cache = model.new_cache(1, n)
+        with torch.no_grad():
+            hidden = model(s.tokens[None], cache)[0]
+        # A 4-row padded prefill and this 1-row one sum in different orders (float32 GEMM blocking).
+        torch.testing.assert_close(s.hidden, hidden, atol=1e-4, rtol=1e-4)
+        for slot in read_slots(model):
+            v = cache.v[slot][0].transpose(0, 1).reshape(n, -1)
+            torch.testing.assert_close(s.values[slot], v, atol=1e-4, rtol=1e-4)
+        logp = torch.log_softmax(model.logits(hidden), -1)
+        torch.testing.assert_close(s.topk_logp, torch.topk(logp, 4).values, atol=1e-4, rtol=1e-4)
+        # The recorded ids are the tokens of those values (a near-tie may order them either way).
+        torch.testing.assert_close(logp.gather(1, s.topk_ids), s.topk_logp, atol=1e-4, rtol=1e-4)
+    # The text is not the target's writing: its next token is often not the target's argmax.
+    assert any(not torch.equal(s.tokens[1:], s.topk_ids[:-1, 0]) for s in corpus_seqs[1])
+
+
+def test_ce_on_corpus_text_learns_the_targets_argmax_not_the_text(tiny_target, corpus_seqs):
+    """"ce" on a corpus sequence equals "kl" towards a one-hot on the target's top-1; the same
+    sequence read as an answer (labels = the text's next tokens) gives another loss."""
+    import dataclasses
+    import random
+
+    from specdraft.training.objective import collate, make_head_space, unrolled_loss
+
+    model = tiny_target.model
+    dcfg = drafter_config_for(model, hidden=32, layers=2, heads=4, head="target", clustered=False)
+    from specdraft.drafters.mtp import init_network
+    from specdraft.drafters.mtp.checkpoint import kv_sources
+
+    net = init_network(dcfg, model, seed=1).float()
+    sources = kv_sources(dcfg, model)
+    kv_heads = {s.slot: s.num_kv_heads for s in sources}
+    space = make_head_space(torch.arange(tiny_target.config.vocab_size), tiny_target.config.vocab_size, None)
+    seqs = corpus_seqs[1][:4]
+    one_hot = [dataclasses.replace(s, topk_logp=torch.where(torch.arange(4) == 0, 0.0, float("-inf")).expand_as(s.topk_logp))
+               for s in seqs]
+    as_answer = [dataclasses.replace(s, corpus=False) for s in seqs]
+
+    def loss(batch_seqs, kind):
+        batch = collate(batch_seqs, 8, kv_heads, random.Random(0), torch.float32)
+        with torch.no_grad():
+            return unrolled_loss(net, model, sources, batch, 3, space, kind)[0]
+
+    ce = loss(seqs, "ce")
+    torch.testing.assert_close(ce, loss(one_hot, "kl"), atol=1e-5, rtol=1e-5)
+    assert abs(ce.item() - loss(as_answer, "ce").item()) > 1e-3
+
+
+def test_init_from_starts_at_the_given_drafters_weights(tiny_target, tiny_data, tmp_path):
+    first = make_trainer(tiny_target, tmp_path / "a", tiny_data, small_config(steps=20))
+    first.train()
+    save_network(first.net, tmp_path / "trained")
+    dcfg = first.net.config
+    second = Trainer(tiny_target, tmp_path / "b", small_config(), dcfg, *tiny_data, log=lambda m: None,
+                     init_from=tmp_path / "trained")
+    for (name, a), b in zip(first.net.state_dict().items(), second.net.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert second.evaluate()["tau"] == first.evaluate()["tau"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 import sys
 import time
 from pathlib import Path
@@ -54,6 +55,18 @@ def _register_train(sub) -> None:
                    help="evaluation files (e.g. Spec-Bench question.jsonl): prompts sharing a 13-word span with "
                         "them are refused")
     p.add_argument("--num-prompts", type=int, default=None, help="use at most this many training prompts")
+    p.add_argument("--skip-prompts", type=int, default=0,
+                   help="skip the first N training prompts (in the fixed shuffled order), e.g. the ones the "
+                        "drafter given to --init-from was trained on (default 0)")
+    p.add_argument("--corpus", type=Path, nargs="+", default=[],
+                   help="text files for prefill distillation (same formats as --prompts): the target reads each "
+                        "text in one forward pass and every position becomes a training example labelled with "
+                        "the target's own top-k prediction; cheaper per token than answers, mixed with them. "
+                        "Evaluation overlap and held-out prompts are refused as for --prompts")
+    p.add_argument("--corpus-texts", type=int, default=None, help="use at most this many --corpus texts")
+    p.add_argument("--init-from", default=None, metavar="DRAFTER",
+                   help="start from a trained drafter's weights (a drafter folder, or 'shipped' for the one "
+                        "shipped for --model) instead of random ones; its shape is kept")
     p.add_argument("--held-out", type=int, default=48, help="held-out prompts for evaluation (default 48)")
     p.add_argument("--answer-tokens", type=int, default=160, help="tokens per target answer (default 160)")
     p.add_argument("--draft-tokens", type=int, default=4, help="K: unrolled steps trained (default 4)")
@@ -62,6 +75,9 @@ def _register_train(sub) -> None:
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
     p.add_argument("--anchors", type=int, default=64, help="anchor positions per sequence per step (default 64)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    p.add_argument("--shortlist", type=int, default=32768,
+                   help="tokens the training softmax scores: the ones the target produces most often in the data "
+                        "(default 32768; the softmax over them is most of a step's cost on a CPU)")
     p.add_argument("--loss", choices=["ce", "kl"], default="ce",
                    help="ce: cross-entropy on the target's emitted tokens; kl: to its top-k distribution")
     p.add_argument("--eval-every", type=int, default=250, help="held-out evaluation interval in steps")
@@ -185,8 +201,10 @@ def run_init(args) -> int:
 
 def _check_train_args(args) -> None:
     """Every train-drafter flag that can be judged without the target, before anything loads."""
-    _at_least(args, ("steps", "batch_size", "anchors", "draft_tokens", "answer_tokens", "eval_every", "num_prompts"), 1)
-    _at_least(args, ("held_out",), 0)
+    _at_least(args, ("steps", "batch_size", "anchors", "draft_tokens", "answer_tokens", "eval_every", "num_prompts",
+                     "shortlist"), 1)
+    _at_least(args, ("held_out", "skip_prompts"), 0)
+    _at_least(args, ("corpus_texts",), 1)
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise SpecdraftError(f"--lr {args.lr} must be a positive number (try 1e-3)")
     if args.answer_tokens <= args.draft_tokens:
@@ -210,12 +228,29 @@ def _check_context(rt, args) -> None:
                              f"context after a prompt (try {max(room, 1)})")
 
 
-def _resumed_config(rt, args):
-    """On --resume the checkpoint's drafter is continued: check it fits this target, and refuse
-    shape flags that contradict it (they would be silently ignored otherwise)."""
+def _init_folder(rt, args) -> Path | None:
+    """The drafter folder --init-from names ('shipped': the one shipped for the target)."""
+    from specdraft.drafters import shipped_drafter_path
+
+    if args.init_from is None:
+        return None
+    if args.init_from == "shipped":
+        path = shipped_drafter_path(rt.name)
+        if path is None:
+            raise SpecdraftError(f"--init-from shipped: no drafter ships for {rt.name!r}; give a drafter folder")
+        return Path(path)
+    path = Path(args.init_from)
+    if not (path / "config.json").is_file():
+        raise SpecdraftError(f"--init-from {path}: not a drafter folder (no config.json)")
+    return path
+
+
+def _resumed_config(rt, args, folder: Path | None = None, what: str = "the checkpoint"):
+    """On --resume (or --init-from) that drafter is continued: check it fits this target, and
+    refuse shape flags that contradict it (they would be silently ignored otherwise)."""
     from specdraft.drafters.mtp.checkpoint import kv_sources, read_drafter_config
 
-    ckpt = args.out / "checkpoint"
+    ckpt = folder or args.out / "checkpoint"
     cfg = read_drafter_config(ckpt)
     kv_sources(cfg, rt.model)
     saved = {"hidden": cfg.hidden_size, "layers": cfg.num_layers, "heads": cfg.num_heads,
@@ -225,8 +260,8 @@ def _resumed_config(rt, args):
         given = getattr(args, name)
         if given is not None and given != value and not (name == "top_k_clusters" and not cfg.clustered):
             flag = "--" + name.replace("_", "-")
-            raise SpecdraftError(f"{flag} {given} differs from the checkpoint in {ckpt} ({flag} {value}); drop it "
-                                 f"to resume, or choose another --out")
+            hint = "to resume, or choose another --out" if folder is None else "to continue that drafter"
+            raise SpecdraftError(f"{flag} {given} differs from {what} in {ckpt} ({flag} {value}); drop it {hint}")
     return cfg
 
 
@@ -238,6 +273,7 @@ def _describe(cfg) -> str:
 
 
 def run_train(args) -> int:
+    from specdraft.training.corpus import CorpusConfig, build_corpus_dataset
     from specdraft.training.data import DataConfig, build_dataset, load_sequences
     from specdraft.training.prompts import load_prompt_set
     from specdraft.training.trainer import TrainConfig, Trainer, init_distributed
@@ -253,33 +289,54 @@ def run_train(args) -> int:
     started = time.time()
     rt = load_target(args)
     _check_context(rt, args)
-    drafter_cfg = _resumed_config(rt, args) if resuming else _drafter_config(rt, args, args.draft_tokens)
-    prompts = load_prompt_set(args.prompts, args.exclude_eval, held_out_fraction=0.05, limit=args.num_prompts)
+    init_from = _init_folder(rt, args)
+    if resuming:
+        drafter_cfg = _resumed_config(rt, args)
+    elif init_from is not None:
+        drafter_cfg = _resumed_config(rt, args, init_from, "the drafter given to --init-from")
+    else:
+        drafter_cfg = _drafter_config(rt, args, args.draft_tokens)
+    prompts = load_prompt_set(args.prompts, args.exclude_eval, held_out_fraction=0.05)
+    end = None if args.num_prompts is None else args.skip_prompts + args.num_prompts
+    prompts.train = prompts.train[args.skip_prompts : end]
+    if not prompts.train:
+        raise SpecdraftError(f"--skip-prompts {args.skip_prompts} leaves no training prompts")
     held = prompts.held_out[: args.held_out]
+    # The same held-out split by content hash: a held-out prompt never enters the corpus.
+    corpus = load_prompt_set(args.corpus, args.exclude_eval, held_out_fraction=0.05, limit=args.corpus_texts,
+                             what="corpus file") if args.corpus else None
     print(f"prompts: {len(prompts.train)} train, {len(held)} held out, {len(prompts.refused)} refused as "
           f"overlapping the evaluation files", file=sys.stderr)
+    if corpus is not None:
+        print(f"corpus: {len(corpus.train)} texts, {len(corpus.refused)} refused as overlapping the evaluation "
+              "files", file=sys.stderr)
     print(_describe(drafter_cfg) + (" (from the checkpoint)" if resuming else ""), file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "held_out_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held))
-    data_cfg = DataConfig(max_new_tokens=args.answer_tokens, seed=args.seed)
+    data_cfg = DataConfig(max_new_tokens=args.answer_tokens, seed=args.seed, first_prompt=args.skip_prompts)
     rank0 = not distributed or __import__("torch").distributed.get_rank() == 0
     if rank0:
         build_dataset(rt, prompts.train, args.out / "data" / "train", data_cfg)
-        build_dataset(rt, held, args.out / "data" / "held_out", data_cfg, desc="held-out data")
+        build_dataset(rt, held, args.out / "data" / "held_out", replace(data_cfg, first_prompt=0), desc="held-out data")
+        if corpus is not None:
+            build_corpus_dataset(rt, corpus.train, args.out / "data" / "corpus", CorpusConfig())
     if args.data_only:
         return 0
     if distributed:
         __import__("torch").distributed.barrier()
     train = load_sequences(sorted((args.out / "data" / "train").glob("shard-*.safetensors")))
+    corpus_seqs = load_sequences(sorted((args.out / "data" / "corpus").glob("shard-*.safetensors"))) if corpus else []
     held_seqs = load_sequences(sorted((args.out / "data" / "held_out").glob("shard-*.safetensors")))
     data_seconds = time.time() - started
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
                       k_steps=args.draft_tokens, lr=args.lr, loss=args.loss, eval_every=args.eval_every,
-                      save_every=args.eval_every, seed=args.seed)
-    trainer = Trainer(rt, args.out, cfg, drafter_cfg, train, held_seqs,
-                      log=lambda m: print(m, file=sys.stderr))
+                      save_every=args.eval_every, seed=args.seed, shortlist_size=args.shortlist)
+    trainer = Trainer(rt, args.out, cfg, drafter_cfg, train + corpus_seqs, held_seqs,
+                      log=lambda m: print(m, file=sys.stderr), init_from=init_from)
     final = trainer.train()
     recipe = {"command": " ".join(sys.argv), "model": args.model, "seed": args.seed, "train_sequences": len(train),
+              "corpus_sequences": len(corpus_seqs), "init_from": None if init_from is None else str(init_from),
+              "target_tokens": sum(len(q.tokens) - q.prompt_length for q in train) + sum(len(q.tokens) for q in corpus_seqs),
               "held_out_sequences": len(held_seqs), "data_seconds_this_run": round(data_seconds, 1),
               "total_seconds_this_run": round(time.time() - started, 1), "device": str(rt.device), "dtype": rt.dtype_name}
     trainer.export(args.out, recipe)

@@ -34,6 +34,7 @@ class DataConfig:
     # modes and its spread; batches cycle through these temperatures (0 = greedy).
     temperatures: tuple[float, ...] = (0.0, 0.0, 0.7, 1.0)
     seed: int = 0
+    first_prompt: int = 0  # where in the training prompts these answers start (--skip-prompts)
 
 
 def read_slots(model: torch.nn.Module) -> list[int]:
@@ -123,37 +124,49 @@ def shard_features(records: list[dict]) -> dict[str, torch.Tensor]:
     out["offsets"] = torch.tensor([0] + lengths, dtype=torch.long).cumsum(0)
     out["prompt_lengths"] = torch.tensor([r["prompt_length"] for r in records], dtype=torch.long)
     out["temperatures"] = torch.tensor([r["temperature"] for r in records], dtype=torch.float32)
+    out["corpus"] = torch.tensor([r.get("corpus", False) for r in records], dtype=torch.bool)
     return out
 
 
 def build_dataset(rt, prompts: list[str], out_dir: Path, cfg: DataConfig, desc: str = "self-distillation data") -> list[Path]:
     """Write shard-NNNNN.safetensors files into out_dir, skipping shards that already exist."""
+    slots = read_slots(rt.model)
+    eos = set(rt.tokenizer.eos_token_ids)
+
+    def records_for(shard: int, chunk: list[str]) -> list[dict]:
+        ids = [p for p in _encode(rt.tokenizer, chunk, cfg.max_prompt_tokens) if p]
+        records = []
+        for b, start in enumerate(range(0, len(ids), cfg.batch_size)):
+            # Batches cycle through the temperatures, so every shard mixes greedy and sampled.
+            temp = cfg.temperatures[(shard + b) % len(cfg.temperatures)]
+            records += record_answers(rt.model, ids[start : start + cfg.batch_size], cfg.max_new_tokens,
+                                      temp, cfg.seed * 1_000_003 + shard * 1000 + b, slots, cfg.topk, eos)
+        return records
+
+    meta = {"model": rt.name, "dtype": rt.dtype_name, **asdict(cfg)}
+    return write_shards(out_dir, meta, prompts, cfg.shard_prompts, records_for, slots, desc, "prompt")
+
+
+def write_shards(out_dir: Path, meta: dict, items: list, per_shard: int, records_for, slots: list[int], desc: str,
+                 unit: str) -> list[Path]:
+    """Shard i holds records_for(i, items[i * per_shard : ...]). Shards already on disk are kept,
+    so an interrupted run resumes at the first missing one; `meta` (the settings) must match the
+    folder's, though the number of items may grow (more items = more shards)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     meta_path = out_dir / "data.json"
-    # Shard i always holds prompts[i * shard_prompts:...], so the prompt count may change between
-    # runs (more prompts = more shards); the generation settings may not.
-    meta = {"model": rt.name, "dtype": rt.dtype_name, **asdict(cfg)}
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
         if old != json.loads(json.dumps(meta)):
             raise_mismatch(meta_path, old, meta)
     meta_path.write_text(json.dumps(meta, indent=2))
-    slots = read_slots(rt.model)
-    eos = set(rt.tokenizer.eos_token_ids)
     shards = []
-    n_shards = (len(prompts) + cfg.shard_prompts - 1) // cfg.shard_prompts
-    with tqdm(total=len(prompts), desc=desc, unit="prompt") as bar:
+    n_shards = (len(items) + per_shard - 1) // per_shard
+    with tqdm(total=len(items), desc=desc, unit=unit) as bar:
         for shard in range(n_shards):
             path = out_dir / f"shard-{shard:05d}.safetensors"
-            chunk = prompts[shard * cfg.shard_prompts : (shard + 1) * cfg.shard_prompts]
+            chunk = items[shard * per_shard : (shard + 1) * per_shard]
             if not path.exists():
-                ids = [p for p in _encode(rt.tokenizer, chunk, cfg.max_prompt_tokens) if p]
-                records = []
-                for b, start in enumerate(range(0, len(ids), cfg.batch_size)):
-                    # Batches cycle through the temperatures, so every shard mixes greedy and sampled.
-                    temp = cfg.temperatures[(shard + b) % len(cfg.temperatures)]
-                    records += record_answers(rt.model, ids[start : start + cfg.batch_size], cfg.max_new_tokens,
-                                              temp, cfg.seed * 1_000_003 + shard * 1000 + b, slots, cfg.topk, eos)
+                records = records_for(shard, chunk)
                 if records:
                     tmp = path.with_suffix(".tmp")
                     save_file(shard_features(records), str(tmp), metadata={"slots": json.dumps(slots)})
@@ -181,6 +194,9 @@ class Sequence:
     values: dict[int, torch.Tensor]
     topk_ids: torch.Tensor  # [L, k]
     topk_logp: torch.Tensor  # [L, k]
+    # Corpus text (training/corpus.py): the tokens are the text's, not the target's, so labels
+    # come from topk_ids; and every position is a prediction (prompt_length is 1).
+    corpus: bool = False
 
 
 def load_sequences(shards: list[Path]) -> list[Sequence]:
@@ -190,12 +206,13 @@ def load_sequences(shards: list[Path]) -> list[Sequence]:
             slots = json.loads(f.metadata()["slots"])
             t = {k: f.get_tensor(k) for k in f.keys()}
         off = t["offsets"].tolist()
+        corpus = t.get("corpus", torch.zeros(len(off) - 1, dtype=torch.bool)).tolist()
         for i in range(len(off) - 1):
             a, b = off[i], off[i + 1]
             seqs.append(Sequence(
                 tokens=t["tokens"][a:b].long(), prompt_length=int(t["prompt_lengths"][i]),
                 temperature=float(t["temperatures"][i]), hidden=t["hidden"][a:b],
                 keys={s: t[f"k.{s}"][a:b] for s in slots}, values={s: t[f"v.{s}"][a:b] for s in slots},
-                topk_ids=t["topk_ids"][a:b].long(), topk_logp=t["topk_logp"][a:b],
+                topk_ids=t["topk_ids"][a:b].long(), topk_logp=t["topk_logp"][a:b], corpus=bool(corpus[i]),
             ))
     return seqs

@@ -4,8 +4,8 @@ For anchor position t of a sequence x and step k = 0..K-1:
     input token  x(t+1+k)   (teacher forced: what an all-accepted round would have fed)
     state        s0 = target final hidden at t,  s(k+1) = post_projection(z_k)
     query        position t, keys 0..t (sliding layers: the last `window`)
-    label        the target's next token at position t+1+k: x(t+2+k) ("ce"), or the target's
-                 top-k distribution there ("kl")
+    label        the target's next token at position t+1+k: x(t+2+k) ("ce"; the target's argmax
+                 on corpus text), or the target's top-k distribution there ("kl")
 Step 0 pairs (embed(x(t+1)), h_t) and predicts x(t+2): exactly what inference does with
 b = x(p+1) and the hidden at p.
 
@@ -41,6 +41,7 @@ class Batch:
     topk_logp: torch.Tensor  # [B, L, k]
     anchors: torch.Tensor  # [B, A] positions t
     anchor_valid: torch.Tensor  # [B, A]
+    corpus: torch.Tensor  # [B] bool: prefill-distilled text, whose tokens are not the target's
 
 
 def collate(seqs: list[Sequence], anchors_per_seq: int, kv_heads: dict[int, int], rng: random.Random,
@@ -73,7 +74,7 @@ def collate(seqs: list[Sequence], anchors_per_seq: int, kv_heads: dict[int, int]
 
     return Batch(tokens, torch.tensor([len(s.tokens) for s in seqs]), hidden,
                  {s: heads(t, s) for s, t in keys.items()}, {s: heads(t, s) for s, t in values.items()},
-                 k_ids, k_logp, anchors, valid)
+                 k_ids, k_logp, anchors, valid, torch.tensor([s.corpus for s in seqs], dtype=torch.bool))
 
 
 def to_device(batch, device: torch.device):
@@ -148,7 +149,9 @@ def unrolled_loss(net: MTPNetwork, target: torch.nn.Module, sources: list[Attent
         greedy_label = top_ids[:, :, 0]
         if loss_kind == "ce":
             nxt = (pos + 1).clamp(max=batch.tokens.shape[1] - 1)
-            label = batch.tokens.gather(1, nxt)
+            # An answer's next token is what the target emitted; a corpus text's is not the
+            # target's, so there the label is the target's argmax.
+            label = torch.where(batch.corpus[:, None], greedy_label, batch.tokens.gather(1, nxt))
             idx = space.index[label]
             ok = valid & (idx >= 0)
             token_loss = F.cross_entropy(logits[ok], idx[ok]) if ok.any() else logits.sum() * 0

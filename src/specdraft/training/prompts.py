@@ -83,10 +83,10 @@ class PromptSet:
 
 
 def load_prompt_set(files: list[Path], eval_files: list[Path], held_out_fraction: float = 0.02,
-                    limit: int | None = None) -> PromptSet:
+                    limit: int | None = None, what: str = "prompts file") -> PromptSet:
     prompts: list[str] = []
     for f in files:
-        prompts.extend(read_prompts(f))
+        prompts.extend(read_prompts(f, what))
     prompts = list(dict.fromkeys(prompts))  # drop exact duplicates
     # A fixed shuffle: sources are grouped by task, and --num-prompts must sample all of them.
     random.Random(0).shuffle(prompts)

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from specdraft.drafters.mtp import MTPNetwork, init_network, save_network
-from specdraft.drafters.mtp.checkpoint import kv_sources, read_drafter_config
+from specdraft.drafters.mtp.checkpoint import kv_sources, load_network, read_drafter_config
 from specdraft.drafters.mtp.config import MTPConfig
 from specdraft.drafters.mtp.drafter import MTPDrafter
 from specdraft.training.clustering import balanced_clusters, cluster_of
@@ -65,7 +65,8 @@ def shortlist_from(seqs: list[Sequence], size: int) -> torch.Tensor:
     most frequent first."""
     counts: Counter[int] = Counter()
     for s in seqs:
-        counts.update(s.tokens[s.prompt_length :].tolist())
+        if not s.corpus:  # a corpus text's own tokens are not the target's
+            counts.update(s.tokens[s.prompt_length :].tolist())
         counts.update(s.topk_ids[s.prompt_length - 1 : len(s.tokens) - 1, :4].flatten().tolist())
     return torch.tensor([t for t, _ in counts.most_common(size)], dtype=torch.long)
 
@@ -89,7 +90,7 @@ def batch_dtype(device: torch.device) -> torch.dtype:
 
 class Trainer:
     def __init__(self, target_rt, out_dir: Path, cfg: TrainConfig, drafter_cfg: MTPConfig,
-                 train: list[Sequence], held_out: list[Sequence], log=print):
+                 train: list[Sequence], held_out: list[Sequence], log=print, init_from: Path | None = None):
         self.rt, self.out, self.cfg, self.log = target_rt, out_dir, cfg, log
         self.target = target_rt.model
         self.device = target_rt.device
@@ -103,6 +104,7 @@ class Trainer:
         self.sources = kv_sources(drafter_cfg, self.target)
         self.kv_heads = {s.slot: s.num_kv_heads for s in self.sources}
         shortlist = self._shortlist(resume)
+        self.init_from = init_from
         self.net = self._build(drafter_cfg, resume, shortlist).to(self.device)
         self.space = self._head_space(shortlist)
         decay = [p for n, p in self.net.named_parameters() if p.dim() >= 2]
@@ -132,6 +134,10 @@ class Trainer:
         if resume:
             with safe_open(str(self.ckpt / "model.safetensors"), framework="pt") as f:
                 net.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
+        elif self.init_from is not None:
+            # Continue a trained drafter (its clusters included) on new data.
+            trained, _ = load_network(self.init_from, self.target, torch.float32, "cpu")
+            net.load_state_dict(trained.state_dict())
         elif net.masked_embedding is not None:
             table = self.target.head_weight.detach().cpu()
             net.masked_embedding.token_ordering.copy_(balanced_clusters(table, cfg.num_centroids, hot=shortlist,

@@ -1,0 +1,99 @@
+"""Prefill distillation: the target reads existing text in one forward pass, and every position
+becomes a training example.
+
+Self-distillation (data.py) pays a decode step per answer token. Here a batch of text chunks
+goes through one prefill, and at every position the shard keeps what generation would have
+kept: the final-normed hidden state, the K/V the drafter reads, and the target's top-k
+next-token log-probabilities. The labels are the target's (its top-k distribution, or its
+argmax for the "ce" loss), never the text's next token: the drafter learns to predict the
+target, and the text only supplies contexts. Text is not the target's own writing, so this
+data is mixed with self-generated answers rather than replacing them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specdraft.training.data import read_slots, write_shards
+
+# Rows of the LM head computed at once: a [rows, V] float32 block (128 MB for Gemma's 262k vocabulary).
+HEAD_ROWS = 128
+
+
+@dataclass
+class CorpusConfig:
+    chunk_tokens: int = 384  # tokens per chunk, BOS included; longer texts are cut into several
+    min_tokens: int = 32  # shorter pieces are dropped: too few anchors for K-step training
+    batch_size: int = 8  # chunks per prefill
+    shard_texts: int = 64
+    topk: int = 8
+
+
+def text_chunks(tokenizer, texts: list[str], chunk_tokens: int, min_tokens: int) -> list[list[int]]:
+    """Each text tokenised once (with BOS) and cut into pieces of chunk_tokens; every piece
+    after the first starts with BOS again, so each is a context the target sees from its start."""
+    chunks = []
+    for text in texts:
+        ids = tokenizer.encode(text)
+        bos, body = ids[:1], ids[1:]
+        step = chunk_tokens - 1
+        for start in range(0, len(body), step):
+            piece = bos + body[start : start + step]
+            if len(piece) >= min_tokens:
+                chunks.append(piece)
+    return chunks
+
+
+def topk_log_probs(model: torch.nn.Module, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-k next-token (ids, log-probabilities) for hidden [N, H], HEAD_ROWS rows at a time."""
+    ids, logp = [], []
+    for start in range(0, hidden.shape[0], HEAD_ROWS):
+        top = torch.topk(torch.log_softmax(model.logits(hidden[start : start + HEAD_ROWS]), dim=-1), k, dim=-1)
+        ids.append(top.indices)
+        logp.append(top.values)
+    return torch.cat(ids), torch.cat(logp)
+
+
+@torch.inference_mode()
+def record_prefill(model: torch.nn.Module, chunks: list[list[int]], slots: list[int], topk: int) -> list[dict]:
+    """One prefill over a batch of chunks (right-padded: causal attention never lets a real
+    position see the padding) -> one record per chunk, in the shard format of data.py."""
+    lengths = [len(c) for c in chunks]
+    width = max(lengths)
+    tokens = torch.zeros(len(chunks), width, dtype=torch.long)
+    for i, c in enumerate(chunks):
+        tokens[i, : len(c)] = torch.tensor(c)
+    cache = model.new_cache(len(chunks), width)
+    hidden = model(tokens, cache)
+    out = []
+    for i, n in enumerate(lengths):
+        ids, lp = topk_log_probs(model, hidden[i, :n], topk)
+        rec = {"prompt_length": 1, "temperature": 0.0, "corpus": True, "tokens": tokens[i, :n].int(),
+               "hidden": hidden[i, :n].cpu(), "topk_ids": ids.int(), "topk_logp": lp.float()}
+        for s in slots:
+            for name, store in (("k", cache.k), ("v", cache.v)):
+                rec[f"{name}.{s}"] = store[s][i, :, :n].transpose(0, 1).reshape(n, -1).cpu()
+        out.append(rec)
+    return out
+
+
+def build_corpus_dataset(rt, texts: list[str], out_dir: Path, cfg: CorpusConfig,
+                         desc: str = "prefill distillation") -> list[Path]:
+    """Shards of prefill-distilled text in out_dir, resumable like build_dataset's."""
+    slots = read_slots(rt.model)
+    context = rt.config.max_position_embeddings
+    chunk_tokens = min(cfg.chunk_tokens, context)
+
+    def records_for(shard: int, chunk: list[str]) -> list[dict]:
+        pieces = text_chunks(rt.tokenizer, chunk, chunk_tokens, cfg.min_tokens)
+        pieces.sort(key=len)  # similar lengths share a prefill: little padding
+        records = []
+        for start in range(0, len(pieces), cfg.batch_size):
+            records += record_prefill(rt.model, pieces[start : start + cfg.batch_size], slots, cfg.topk)
+        return records
+
+    meta = {"model": rt.name, "dtype": rt.dtype_name, "source": "corpus", **asdict(cfg)}
+    return write_shards(out_dir, meta, texts, cfg.shard_texts, records_for, slots, desc, "text")

@@ -256,3 +256,28 @@ def test_auto_method_is_what_generate_runs(ctx):
     assert any(note.startswith("auto = none") for note in method.notes)
     out = method.generate([[2, 5, 6, 7]], 4)
     assert out.rows[0].token_ids == build_method("plain", ctx).generate([[2, 5, 6, 7]], 4).rows[0].token_ids
+
+
+def test_two_drafters_in_one_run(ctx, tmp_path, capsys):
+    """METHOD@FOLDER runs another drafter beside the run's: each method drafts with its own."""
+    from specdraft.cli.main import main
+    from specdraft.drafters.mtp import drafter_config_for, init_network, save_network
+
+    folders = []
+    for seed, hidden in ((0, 16), (1, 24)):
+        cfg = drafter_config_for(ctx.rt.model, hidden=hidden, layers=1, heads=2, head="own", clustered=False)
+        folders.append(tmp_path / f"d{seed}")
+        save_network(init_network(cfg, ctx.rt.model, seed=seed, std=0.1), folders[-1])
+    dctx = BenchContext(ctx.rt, ctx.sampling, drafter_path=str(folders[0]))
+    first, second = build_method("mtp", dctx), build_method(f"mtp@{folders[1]}", dctx)
+    assert first.engine.drafter.net.config.hidden_size == 16 and second.engine.drafter.net.config.hidden_size == 24
+    assert second.name == f"mtp@{folders[1]}"
+    adaptive = build_method(f"auto@{folders[1]}", dctx)
+    assert adaptive.engine.drafter.mtp.net.config.hidden_size == 24
+    plain = build_method("plain", ctx).generate([[2, 5, 6, 7]], 6).rows[0].token_ids
+    assert second.generate([[2, 5, 6, 7]], 6).rows[0].token_ids == plain
+    for methods, needle in (("plain@x", "only auto, mtp, mtp+ngram take a drafter folder after @"),
+                            (f"mtp@{tmp_path / 'none'}", "is not a drafter folder (no config.json)")):
+        code = main(["bench", "--model", "unused", "--questions", "unused.jsonl", "--methods", methods])
+        err = capsys.readouterr().err
+        assert code == 2 and needle in err and "Traceback" not in err, err

@@ -14,6 +14,17 @@ SPECDRAFT_METHODS = ("plain", "auto", "mtp", "mtp+ngram", "ngram", "draft-model"
 PEER_METHODS = ("hf", "hf-pld", "llama-cpp", "llama-cpp-pld")
 ALL_METHODS = SPECDRAFT_METHODS + PEER_METHODS
 DEFAULT_METHODS = ("plain", "mtp", "mtp+ngram", "ngram", "draft-model", "hf", "hf-pld", "llama-cpp", "llama-cpp-pld")
+# Methods that read an MTP drafter take another one as METHOD@FOLDER (e.g. mtp@runs/more), so two
+# drafters can be compared in one interleaved run.
+DRAFTER_METHODS = ("auto", "mtp", "mtp+ngram")
+
+
+def split_method(name: str) -> tuple[str, str | None]:
+    """'mtp@runs/x' -> ('mtp', 'runs/x'); 'plain' -> ('plain', None)."""
+    base, sep, folder = name.partition("@")
+    return base, (folder if sep else None)
+
+
 # The default llama.cpp build crashes on CPUs with AMX; this one does not (and still uses AVX-512).
 LLAMA_CPP_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF '
                    '-DGGML_AMX_BF16=OFF" pip install llama-cpp-python')

@@ -128,42 +128,46 @@ def measure_load(load):
 
 def build_specdraft(name: str, ctx: BenchContext) -> Method:
     """specdraft plain or with one of its drafters, or raise Skip."""
+    from specdraft.bench import split_method
     from specdraft.drafters import load_drafter, shipped_drafter_path
     from specdraft.loading.presets import PRESETS
     from specdraft.runtime import Runtime
 
     rt = ctx.rt
-    if name == "plain":
+    base, folder = split_method(name)  # mtp@FOLDER: another drafter than the run's
+    if base == "plain":
         return SpecdraftMethod(name, rt, None, 0, ctx.sampling)
-    path = None
-    if name in ("mtp", "mtp+ngram"):
+    path, kind = None, base
+    if base in ("mtp", "mtp+ngram"):
         # Only preset names have shipped drafters (a folder path would resolve to itself).
         shipped = shipped_drafter_path(rt.name) if rt.name in PRESETS else None
-        path = ctx.drafter_path or (str(shipped) if shipped else None)
+        path = folder or ctx.drafter_path or (str(shipped) if shipped else None)
         if path is None:
             raise Skip(f"no MTP drafter: none ships for {rt.name!r} and --drafter-path was not given")
-    if name == "draft-model":
+    if base == "auto" and folder is not None:  # what --drafter auto would do with that drafter shipped
+        path, kind = folder, "mtp+ngram"
+    if base == "draft-model":
         path = ctx.draft_model
         if path is None:
             raise Skip("no draft model: give --draft-model NAME|PATH")
     try:
-        (drafter, kind, k), delta = measure_load(lambda: load_drafter(rt, name, path, ctx.draft_tokens,
+        (drafter, kind, k), delta = measure_load(lambda: load_drafter(rt, kind, path, ctx.draft_tokens,
                                                                       load_runtime=Runtime.load))
     except SpecdraftError as e:
         raise Skip(str(e)) from None
     # Named drafters run at their fixed K (the draft policy's yardsticks); `auto` is exactly what
     # --drafter auto does: the adaptive policy picks each round's width from measured costs.
-    policy = "adaptive" if name == "auto" else "fixed"
+    policy = "adaptive" if base == "auto" else "fixed"
     method = SpecdraftMethod(name, rt, drafter, k, ctx.sampling, policy)
     method.load_rss_delta = delta
-    if name == "auto":
+    if base == "auto":
         method.notes.append(f"auto = {kind}" + ("; adaptive draft width per round (0 = plain) from step costs "
                                                  "measured on this machine" if drafter else ""))
     elif drafter is not None and rt.speculate_below:
         method.notes.append(f"fixed K; rounds with {rt.speculate_below} or more decoding rows run plain")
     if drafter is None:
         return method
-    if name == "draft-model":
+    if base == "draft-model":
         method.own_weight_bytes = sum(p.numel() * p.element_size() for p in drafter.model.parameters())
         method.notes.append(f"draft model {path}, K={k}")
     else:

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from specdraft.bench import ALL_METHODS, DEFAULT_METHODS, PEER_METHODS, SPECDRAFT_METHODS, memory, metrics, peers
+from specdraft.bench import (ALL_METHODS, DEFAULT_METHODS, PEER_METHODS, SPECDRAFT_METHODS, memory, metrics, peers,
+                             split_method)
 from specdraft.bench.methods import BenchContext, Method, Skip, build_specdraft
 from specdraft.bench.questions import PLAIN_TEMPLATE, Question, encode, prompt_style, read_questions, select
 from specdraft.bench.steps import weight_bytes_per_step
@@ -150,7 +151,7 @@ def _method_order(methods: list[Method], g: int) -> list[Method]:
 
 def build_method(name: str, ctx: BenchContext) -> Method:
     """Build one method or raise Skip. Peers' imports (transformers, llama.cpp) are optional."""
-    if name in SPECDRAFT_METHODS:
+    if split_method(name)[0] in SPECDRAFT_METHODS:
         return build_specdraft(name, ctx)
     if name in PEER_METHODS:
         return peers.build(name, ctx)

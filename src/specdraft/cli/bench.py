@@ -62,7 +62,9 @@ prompt format: the model's chat template when it has one, else the plain templat
     p.add_argument("--categories", type=_name_list, default=None, help="comma-separated categories to keep")
     p.add_argument("--limit-per-category", type=int, default=None, help="first N questions of each category")
     p.add_argument("--methods", type=_name_list, default=list(DEFAULT_METHODS),
-                   help=f"comma-separated, from {', '.join(ALL_METHODS)} (default: {','.join(DEFAULT_METHODS)})")
+                   help=f"comma-separated, from {', '.join(ALL_METHODS)} (default: {','.join(DEFAULT_METHODS)}); "
+                        "auto, mtp and mtp+ngram take another drafter as METHOD@FOLDER, e.g. mtp,mtp@runs/more "
+                        "compares two drafters in one run")
     p.add_argument("--drafter-path", default=None, help="MTP drafter folder for the mtp and mtp+ngram methods")
     p.add_argument("--draft-model", default=None, help="model name or path for the draft-model method")
     p.add_argument("--draft-tokens", type=int, default=None,
@@ -84,13 +86,19 @@ prompt format: the model's chat template when it has one, else the plain templat
 
 
 def run(args) -> int:
-    from specdraft.bench import ALL_METHODS
+    from specdraft.bench import ALL_METHODS, DRAFTER_METHODS, split_method
     from specdraft.bench.report import text_summary
     from specdraft.bench.runner import BenchConfig, run_bench
 
-    unknown = [m for m in args.methods if m not in ALL_METHODS]
+    unknown = [m for m in args.methods if split_method(m)[0] not in ALL_METHODS]
     if unknown:
         raise SpecdraftError(f"unknown method(s) {', '.join(unknown)} (choose from {', '.join(ALL_METHODS)})")
+    for m in args.methods:
+        base, folder = split_method(m)
+        if folder is not None and base not in DRAFTER_METHODS:
+            raise SpecdraftError(f"method {m}: only {', '.join(DRAFTER_METHODS)} take a drafter folder after @")
+        if folder is not None and not (Path(folder) / "config.json").is_file():
+            raise SpecdraftError(f"method {m}: {folder} is not a drafter folder (no config.json)")
     if args.draft_tokens is not None and args.draft_tokens < 1:
         raise SpecdraftError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
     cfg = BenchConfig(

@@ -266,3 +266,29 @@ def test_init_from_starts_at_the_given_drafters_weights(tiny_target, tiny_data, 
     for (name, a), b in zip(first.net.state_dict().items(), second.net.state_dict().values()):
         assert torch.equal(a, b), name
     assert second.evaluate()["tau"] == first.evaluate()["tau"]
+    second.cfg.steps = 1
+    second.train()  # a continued drafter's history starts with where it started from
+    assert second.history[0]["step"] == 0 and second.history[0]["tau"] == first.evaluate()["tau"]
+
+
+def test_export_takes_the_best_held_out_decoding_tau(tiny_target, tiny_data, tmp_path):
+    from safetensors.torch import load_file
+
+    trainer = make_trainer(tiny_target, tmp_path / "run", tiny_data, small_config(steps=60, eval_every=20, save_every=20))
+    real = trainer.evaluate
+    # Held-out decoding tau peaks at step 40 here, so the export is not the last step's weights.
+    trainer.evaluate = lambda: {**real(), "decoding_tau": {20: 1.5, 40: 2.0, 60: 1.8}[trainer.step]}
+    trainer.train()
+    best = trainer.best_step()
+    assert best == 40
+    assert json.loads((trainer.best_dir / "step.json").read_text())["step"] == best
+    result = trainer.export(tmp_path / "export", {})
+    assert result["step"] == best
+    assert json.loads((tmp_path / "export" / "training.json").read_text())["exported_step"] == best
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    kept = load_file(str(trainer.best_dir / "model.safetensors"))
+    for name, value in kept.items():
+        expect = value.to(torch.bfloat16) if value.is_floating_point() else value
+        assert torch.equal(exported[name], expect), name
+    final = trainer.net.state_dict()
+    assert any(not torch.equal(final[n].to(torch.bfloat16), exported[n]) for n in kept if kept[n].is_floating_point())

@@ -204,6 +204,9 @@ class Trainer:
         self.net.train()
         # Training seconds add up across resumes (checkpoints are taken at evaluation steps).
         started = time.time() - (self.history[-1]["seconds"] if self.history else 0.0)
+        if self.step == 0 and self.init_from is not None:  # where the continued drafter starts
+            self.history.append({"step": 0, "seconds": 0.0, **self.evaluate()})
+            self.log(json.dumps(self.history[-1]))
         bar = tqdm(total=cfg.steps, initial=self.step, desc="training drafter", unit="step", disable=self.rank != 0)
         while self.step < cfg.steps:
             for g in self.opt.param_groups:
@@ -223,10 +226,32 @@ class Trainer:
                 self.history.append({"step": self.step, "loss": round(loss.item(), 4), "seconds": round(time.time() - started, 1),
                                      **self.evaluate()})
                 self.log(json.dumps(self.history[-1]))
+                self._keep_if_best()
             if self.step % cfg.save_every == 0 or self.step == cfg.steps:
                 self.save_checkpoint()
         bar.close()
         return self.history[-1] if self.history else {}
+
+    @property
+    def best_dir(self) -> Path:
+        return self.out / "best"
+
+    def best_step(self) -> int | None:
+        """The evaluated step with the highest held-out decoding tau (what the engine gets),
+        not teacher-forced tau: the two rank checkpoints differently (BENCHMARKS.md)."""
+        scored = [h for h in self.history if h.get("decoding_tau") is not None and h["step"] > 0]
+        return max(scored, key=lambda h: (h["decoding_tau"], h["step"]))["step"] if scored else None
+
+    def _keep_if_best(self) -> None:
+        if self.rank == 0 and self.best_step() == self.step:
+            tmp = self.best_dir.with_name("best.tmp")
+            save_network(self.net, tmp)
+            (tmp / "step.json").write_text(json.dumps({"step": self.step}))
+            if self.best_dir.exists():
+                for f in self.best_dir.iterdir():
+                    f.unlink()
+                self.best_dir.rmdir()
+            tmp.rename(self.best_dir)
 
     @torch.no_grad()
     def evaluate(self, max_sequences: int = 64) -> dict:
@@ -239,16 +264,23 @@ class Trainer:
         self.net.train()
         return result
 
-    def export(self, folder: Path, recipe: dict) -> None:
-        """The final drafter in bf16 (what ships), plus the recipe and metrics."""
+    def export(self, folder: Path, recipe: dict) -> dict:
+        """The drafter of the evaluation with the best held-out decoding tau, in bf16 (what
+        ships), plus the recipe and metrics. Returns that evaluation."""
         if self.rank != 0:
-            return
-        net = self.net
-        export = MTPNetwork(net.config)
-        export.load_state_dict(net.state_dict())
+            return {}
+        state, exported = self.net.state_dict(), self.step
+        best, saved = self.best_step(), self.best_dir / "step.json"
+        if best is not None and best != self.step and saved.exists() and json.loads(saved.read_text())["step"] == best:
+            with safe_open(str(self.best_dir / "model.safetensors"), framework="pt") as f:
+                state, exported = {k: f.get_tensor(k) for k in f.keys()}, best
+        recipe = {**recipe, "exported_step": exported}
+        export = MTPNetwork(self.net.config)
+        export.load_state_dict(state)
         export.to(torch.bfloat16)  # token_ordering stays int64: .to(dtype) only casts floating tensors
         save_network(export, folder)
         (folder / "training.json").write_text(json.dumps({**recipe, "history": self.history}, indent=1) + "\n")
+        return next((h for h in self.history if h["step"] == exported), {})
 
 
 def init_distributed() -> bool:

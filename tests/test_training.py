@@ -292,3 +292,25 @@ def test_export_takes_the_best_held_out_decoding_tau(tiny_target, tiny_data, tmp
         assert torch.equal(exported[name], expect), name
     final = trainer.net.state_dict()
     assert any(not torch.equal(final[n].to(torch.bfloat16), exported[n]) for n in kept if kept[n].is_floating_point())
+
+
+def test_train_cli_with_a_corpus_and_init_from(tiny_target, tmp_path):
+    from specdraft.cli.main import main
+
+    (tmp_path / "prompts.txt").write_text("\n".join(word_prompts(24, 7)) + "\n")
+    (tmp_path / "corpus.txt").write_text("\n".join(" ".join(word_prompts(10, s)) for s in range(20, 30)) + "\n")
+    common = ["--model", str(tiny_target.folder), "--dtype", "float32", "--device", "cpu", "--prompts",
+              str(tmp_path / "prompts.txt"), "--answer-tokens", "8", "--steps", "4", "--batch-size", "4",
+              "--anchors", "4", "--eval-every", "2", "--held-out", "2", "--loss", "kl"]
+    first = tmp_path / "first"
+    assert main(["train-drafter", *common, "--out", str(first), "--corpus", str(tmp_path / "corpus.txt"),
+                 "--hidden", "32", "--heads", "4", "--clusters", "0"]) == 0
+    recipe = json.loads((first / "training.json").read_text())
+    assert recipe["corpus_sequences"] >= 10 and recipe["target_tokens"] > 10 * 40
+    assert any(s.corpus for s in load_sequences(sorted((first / "data" / "corpus").glob("shard-*.safetensors"))))
+    second = tmp_path / "second"
+    assert main(["train-drafter", *common, "--out", str(second), "--init-from", str(first), "--skip-prompts", "10"]) == 0
+    recipe = json.loads((second / "training.json").read_text())
+    assert recipe["init_from"] == str(first) and recipe["history"][0]["step"] == 0
+    assert recipe["corpus_sequences"] == 0
+    assert json.loads((second / "data" / "train" / "data.json").read_text())["first_prompt"] == 10

@@ -163,6 +163,8 @@ def test_default_heads_get_to_data_generation(capsys, smollm2_like, tmp_path, no
     (["--skip-prompts", "3"], "--skip-prompts 3 leaves no training prompts"),
     (["--corpus-texts", "0"], "--corpus-texts 0 must be >= 1"),
     (["--shortlist", "0"], "--shortlist 0 must be >= 1"),
+    (["--corpus-fraction", "1"], "--corpus-fraction 1.0 must be between 0 and 1 (try 0.5)"),
+    (["--corpus-fraction", "nan"], "--corpus-fraction nan must be between 0 and 1"),
     (["--corpus", "/no/such/corpus.jsonl"], "corpus file /no/such/corpus.jsonl does not exist"),
     (["--init-from", "/no/such/drafter"], "--init-from /no/such/drafter: not a drafter folder (no config.json)"),
     (["--init-from", "shipped"], "--init-from shipped: no drafter ships for"),

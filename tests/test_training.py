@@ -314,3 +314,20 @@ def test_train_cli_with_a_corpus_and_init_from(tiny_target, tmp_path):
     assert recipe["init_from"] == str(first) and recipe["history"][0]["step"] == 0
     assert recipe["corpus_sequences"] == 0
     assert json.loads((second / "data" / "train" / "data.json").read_text())["first_prompt"] == 10
+
+
+def test_corpus_fraction_sets_the_batches_mix(tiny_target, tiny_data, corpus_seqs, tmp_path):
+    import random
+
+    train, held = tiny_data
+    mixed = train[:20] + corpus_seqs[1]  # 20 answers and a few corpus pieces
+    dcfg = drafter_config_for(tiny_target.model, hidden=32, layers=2, heads=4, head="target", clustered=False)
+    share = {}
+    for frac in (0.25, 0.75, None):
+        trainer = Trainer(tiny_target, tmp_path / str(frac), small_config(corpus_fraction=frac), dcfg, mixed, held,
+                          log=lambda m: None)
+        rng = random.Random(0)
+        share[frac] = sum(trainer._draw(rng).corpus for _ in range(400)) / 400
+    assert abs(share[0.25] - 0.25) < 0.06 and abs(share[0.75] - 0.75) < 0.06, share
+    uniform = len(corpus_seqs[1]) / len(mixed)  # None: every sequence equally likely
+    assert abs(share[None] - uniform) < 0.08, (share, uniform)

@@ -64,6 +64,9 @@ def _register_train(sub) -> None:
                         "the target's own top-k prediction; cheaper per token than answers, mixed with them. "
                         "Evaluation overlap and held-out prompts are refused as for --prompts")
     p.add_argument("--corpus-texts", type=int, default=None, help="use at most this many --corpus texts")
+    p.add_argument("--corpus-fraction", type=float, default=0.5,
+                   help="share of each batch's sequences drawn from the corpus; the rest are the target's own "
+                        "answers (default 0.5)")
     p.add_argument("--init-from", default=None, metavar="DRAFTER",
                    help="start from a trained drafter's weights (a drafter folder, or 'shipped' for the one "
                         "shipped for --model) instead of random ones; its shape is kept")
@@ -205,6 +208,8 @@ def _check_train_args(args) -> None:
                      "shortlist"), 1)
     _at_least(args, ("held_out", "skip_prompts"), 0)
     _at_least(args, ("corpus_texts",), 1)
+    if not 0 < args.corpus_fraction < 1:  # NaN fails too
+        raise SpecdraftError(f"--corpus-fraction {args.corpus_fraction} must be between 0 and 1 (try 0.5)")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise SpecdraftError(f"--lr {args.lr} must be a positive number (try 1e-3)")
     if args.answer_tokens <= args.draft_tokens:
@@ -330,7 +335,8 @@ def run_train(args) -> int:
     data_seconds = time.time() - started
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
                       k_steps=args.draft_tokens, lr=args.lr, loss=args.loss, eval_every=args.eval_every,
-                      save_every=args.eval_every, seed=args.seed, shortlist_size=args.shortlist)
+                      save_every=args.eval_every, seed=args.seed, shortlist_size=args.shortlist,
+                      corpus_fraction=args.corpus_fraction if args.corpus else None)
     trainer = Trainer(rt, args.out, cfg, drafter_cfg, train + corpus_seqs, held_seqs,
                       log=lambda m: print(m, file=sys.stderr), init_from=init_from)
     final = trainer.train()

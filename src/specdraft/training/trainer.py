@@ -51,6 +51,9 @@ class TrainConfig:
     eval_every: int = 250
     save_every: int = 250
     seed: int = 0
+    # Share of each batch's sequences drawn from prefill-distilled corpus text (None: every
+    # sequence equally likely). Corpus text is cheap but not the target's own writing.
+    corpus_fraction: float | None = None
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -95,6 +98,8 @@ class Trainer:
         self.target = target_rt.model
         self.device = target_rt.device
         self.train_seqs, self.held_out = train, held_out
+        self.corpus_pool = [q for q in train if q.corpus]
+        self.answer_pool = [q for q in train if not q.corpus]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.ckpt = out_dir / "checkpoint"
@@ -195,9 +200,16 @@ class Trainer:
     def batch_for(self, step: int):
         # Seeded by step and rank: a resumed run draws exactly the batches it would have.
         rng = random.Random(self.cfg.seed * 7_919 + step * 104_729 + self.rank)
-        seqs = [self.train_seqs[rng.randrange(len(self.train_seqs))] for _ in range(self.cfg.batch_size)]
+        seqs = [self._draw(rng) for _ in range(self.cfg.batch_size)]
         batch = collate(seqs, self.cfg.anchors_per_seq, self.kv_heads, rng, batch_dtype(self.device))
         return to_device(batch, self.device)
+
+    def _draw(self, rng: random.Random) -> Sequence:
+        frac = self.cfg.corpus_fraction
+        if frac is None or not self.corpus_pool or not self.answer_pool:
+            return self.train_seqs[rng.randrange(len(self.train_seqs))]
+        pool = self.corpus_pool if rng.random() < frac else self.answer_pool
+        return pool[rng.randrange(len(pool))]
 
     def train(self) -> dict:
         cfg = self.cfg

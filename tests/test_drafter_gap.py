@@ -88,3 +88,21 @@ def test_replayed_decoding_predicts_the_engine_exactly_in_float32(gemma_tiny, tm
         assert all(b >= a for a, b in zip(recall[4], recall[8]) if a is not None)
     else:
         assert r["engine_cluster_recall"] is None
+
+
+def test_eval_drafter_drafts_every_round_at_batch_8(tmp_path):
+    """The target drafting for itself accepts every draft; at batch 8 on a CPU the runtime's fixed
+    policy would run plain rounds instead, which a drafter measurement must not count."""
+    from conftest import make_tiny
+    from specdraft.drafters import load_drafter
+    from specdraft.runtime import Runtime
+    from specdraft.training.evaluate import evaluate_drafter
+
+    make_tiny(tmp_path / "m", "gemma3", seed=3, max_position_embeddings=256)
+    rt = Runtime.load(str(tmp_path / "m"), "float32", "cpu", progress=False)
+    assert rt.speculate_below is not None and rt.speculate_below <= 8
+    drafter, _, _ = load_drafter(rt, "draft-model", str(tmp_path / "m"), 3, load_runtime=Runtime.load)
+    prompts = [f"w{4 + i} w{9 + i} w{20 + i}" for i in range(8)]
+    (row,) = evaluate_drafter(rt, drafter, prompts, [3], [0.0], max_new_tokens=16, batch_size=8)
+    assert row.acceptance_by_position == [1.0, 1.0, 1.0], row
+    assert row.tau > 2.5, row

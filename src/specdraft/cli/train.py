@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import replace
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from specdraft.cli.generate import add_model_args, load_target
@@ -342,14 +342,16 @@ def run_train(args) -> int:
     final = trainer.train()
     recipe = {"command": " ".join(sys.argv), "model": args.model, "seed": args.seed, "train_sequences": len(train),
               "corpus_sequences": len(corpus_seqs), "init_from": None if init_from is None else str(init_from),
-              "target_tokens": sum(len(q.tokens) - q.prompt_length for q in train) + sum(len(q.tokens) for q in corpus_seqs),
+              "target_tokens": sum(len(q.tokens) - q.prompt_length for q in train)
+              + sum(len(q.tokens) for q in corpus_seqs),
               "held_out_sequences": len(held_seqs), "data_seconds_this_run": round(data_seconds, 1),
               "total_seconds_this_run": round(time.time() - started, 1), "device": str(rt.device), "dtype": rt.dtype_name}
     final = trainer.export(args.out, recipe) or final
     if rank0:
         size = trainer.net.nbytes() / 2  # exported in bf16
         print(f"drafter written to {args.out}: {size / 1e6:.1f} MB ({100 * size / rt.nbytes():.1f}% of the target); "
-              f"held-out at K={args.draft_tokens} (step {final.get('step')}, the best decoding tau): teacher-forced tau {final.get('tau')} (every anchor), "
+              f"held-out at K={args.draft_tokens} (step {final.get('step')}, the best decoding tau): "
+              f"teacher-forced tau {final.get('tau')} (every anchor), "
               f"decoding tau {final.get('decoding_tau')} (greedy decoding replayed), acceptance by position "
               f"{final.get('acceptance_by_position')}; `specdraft eval-drafter` measures the engine itself", file=sys.stderr)
     return 0

@@ -161,3 +161,54 @@ def test_compiled_fp16_step_is_exact_and_matches_eager(gemma_tiny: TinyModel) ->
     assert [r.token_ids for r in Engine(model).generate(prompts, 16, eos_token_ids=[])] == [r.token_ids for r in eager]
     assert step.compile_seconds > 0
     speculative_equals_plain(model, prompts, 2)
+
+
+def test_fp16_weights_store_one_fp16_token_table(gemma_tiny: TinyModel) -> None:
+    """--weights fp16 keeps the token table in fp16 (half the bytes); activations stay float32,
+    and the model computes what a float32 model with every weight rounded to fp16 computes."""
+    from conftest import prompts_of
+
+    packed, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
+    compact_weights(packed, "fp16")
+    assert packed.embed_tokens.weight.dtype == torch.float16 and packed.dtype == torch.float32
+    assert packed.new_cache(1, 8).k[0].dtype == torch.float32
+    rounded, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
+    with torch.no_grad():
+        for name, p in rounded.named_parameters():
+            if name.endswith(".weight") and p.dim() == 2:  # linears and the table, not the norms
+                p.copy_(p.half().float())
+    ids = torch.tensor(prompts_of([20], gemma_tiny.cfg.vocab_size, seed=3))
+    with torch.inference_mode():
+        ref = rounded.logits(rounded(ids, rounded.new_cache(1, 24)))
+        got = packed.logits(packed(ids, packed.new_cache(1, 24)))
+    # The same fp16 values summed in float32, in FBGEMM's order instead of MKL's.
+    assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
+
+
+def test_drafter_scores_against_an_fp16_table_as_against_its_float32_values() -> None:
+    from specdraft.drafters.mtp.head import score
+
+    table = rand(100, 16, seed=5).half()
+    vectors = rand(6, 16, seed=6)
+    cands = torch.randint(0, 100, (6, 12), generator=torch.Generator().manual_seed(7))
+    assert torch.equal(score(vectors, table, cands), score(vectors, table.float(), cands))
+    assert torch.equal(score(vectors, table, None), score(vectors, table.float(), None))
+
+
+@pytest.mark.parametrize("clustered", [False, True])
+def test_mtp_drafter_over_an_fp16_target_is_exact(gemma_tiny: TinyModel, tmp_path, clustered: bool) -> None:
+    """The MTP drafter reads the target's fp16 table (clustered head) or its packed head (every
+    token); speculative output still equals plain output."""
+    from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+
+    model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
+    compact_weights(model, "fp16")
+    screen_head(model)
+    cfg = drafter_config_for(model, hidden=32, layers=1, heads=4, head="target", clustered=clustered,
+                             num_centroids=16 if clustered else None, top_k_clusters=4)
+    save_network(init_network(cfg, model, seed=3, std=0.2), tmp_path / "d")
+    drafter = load_mtp_drafter(tmp_path / "d", model, torch.float32, "cpu")
+    prompts = repetitive_prompts(gemma_tiny.cfg.vocab_size, 2)
+    plain = Engine(model).generate(prompts, 16, eos_token_ids=[])
+    spec = Engine(model, drafter=drafter, draft_tokens=3).generate(prompts, 16, eos_token_ids=[])
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]

@@ -195,7 +195,7 @@ def run_init(args) -> int:
     if net.masked_embedding is not None:
         from specdraft.training.clustering import balanced_clusters
 
-        net.masked_embedding.token_ordering.copy_(balanced_clusters(rt.model.head_weight.detach().cpu(),
+        net.masked_embedding.token_ordering.copy_(balanced_clusters(rt.model.head_weight.detach().cpu().float(),
                                                                     net.config.num_centroids))
     save_network(net, args.out)
     print(f"wrote an untrained drafter ({net.nbytes() / 1e6:.1f} MB) to {args.out}")

@@ -112,6 +112,8 @@ class Transformer(CachedDecoder):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings with the model's own scaling (Gemma: sqrt(hidden), rounded to the weight dtype)."""
         e = self.embed_tokens(tokens)
+        if e.dtype != self.dtype:  # an fp16-stored table: widen the rows first (exact)
+            e = e.to(self.dtype)
         if self.config.embed_scale != 1.0:
             e = e * torch.tensor(self.config.embed_scale, dtype=e.dtype)
         return e
@@ -122,7 +124,7 @@ class Transformer(CachedDecoder):
         for table in self.ropes.values():
             table.ensure(capacity, p.device)
         shapes = [(cfg.num_kv_heads, cfg.head_dim)] * cfg.num_layers
-        return KVCache(shapes, batch_size, capacity, p.dtype, p.device)
+        return KVCache(shapes, batch_size, capacity, self.dtype, p.device)
 
     def cache_slot(self, layer: int) -> int:
         """Which cache slot holds layer `layer`'s K/V (identity here; Gemma 4 shares slots)."""

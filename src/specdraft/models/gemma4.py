@@ -192,6 +192,8 @@ class Gemma4Transformer(CachedDecoder):
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings times sqrt(hidden), the scale rounded to the weight dtype (as the reference)."""
         e = self.embed_tokens(tokens)
+        if e.dtype != self.dtype:  # an fp16-stored table: widen the rows first (exact)
+            e = e.to(self.dtype)
         return e * torch.tensor(self.config.embed_scale, dtype=e.dtype)
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
@@ -202,7 +204,7 @@ class Gemma4Transformer(CachedDecoder):
             table.ensure(capacity, w.device)
         types = cfg.layer_types[: p.first_shared_layer]
         shapes = [(p.num_kv_heads[t], p.head_dim[t]) for t in types]
-        return KVCache(shapes, batch_size, capacity, w.dtype, w.device)
+        return KVCache(shapes, batch_size, capacity, self.dtype, w.device)
 
     def cache_slot(self, layer: int) -> int:
         """Producers are layers 0..first_shared-1, stored in slots of the same index."""

@@ -58,8 +58,13 @@ class TargetModel(Protocol):
         """Final-normed hidden [..., H] -> the greedy next token [...] (argmax of the head's scores)."""
 
     @property
+    def dtype(self) -> torch.dtype:
+        """Activations and KV cache (the token table may be stored narrower)."""
+
+    @property
     def head_weight(self) -> torch.Tensor:
-        """The [V, H] table the LM head scores against (the embedding when tied)."""
+        """The [V, H] table the LM head scores against (the embedding when tied); it may be
+        stored narrower than `dtype` (fp16 under --weights fp16)."""
 
     def cache_slot(self, layer: int) -> int:
         """Which KV-cache slot holds layer `layer`'s K/V."""
@@ -97,6 +102,12 @@ class CachedDecoder(nn.Module):
         """The forward proper once positions and key spans are known; `kv` stores the new K/V
         (the KVCache itself, or IndexedWrites inside a compiled step)."""
         raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' and the KV cache's dtype. The token table may be stored narrower
+        (fp16 under --weights fp16, models.quant.compact_weights): read its rows through `embed`."""
+        return self.norm.weight.dtype
 
     @property
     def head_weight(self) -> torch.Tensor:

@@ -98,7 +98,7 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
     dec_seen = torch.zeros(k_steps)
     min_conf = drafter.min_confidence if min_confidence is None else min_confidence
     target = drafter.target
-    dtype = target.head_weight.dtype
+    dtype = target.dtype
     for start in range(0, len(seqs), chunk):
         group = seqs[start : start + chunk]
         # As many anchor slots as the longest answer: every answer position becomes an anchor,

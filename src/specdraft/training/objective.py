@@ -133,7 +133,7 @@ def unrolled_loss(net: MTPNetwork, target: torch.nn.Module, sources: list[Attent
     contexts = layer_contexts(sources, batch.keys, batch.values, batch.anchors, dtype)
     state = batch.hidden.gather(1, batch.anchors[:, :, None].expand(-1, -1, batch.hidden.shape[2]))
     own = net.config.head == "own"
-    table = (net.model.embed_tokens.weight if own else target.head_weight)[space.shortlist]
+    table = (net.model.embed_tokens.weight if own else target.head_weight)[space.shortlist].to(dtype)
     total, weight_sum = 0.0, 0.0
     metrics = {"correct": [], "count": [], "recall": []}
     for k in range(k_steps):

@@ -144,7 +144,7 @@ class Trainer:
             trained, _ = load_network(self.init_from, self.target, torch.float32, "cpu")
             net.load_state_dict(trained.state_dict())
         elif net.masked_embedding is not None:
-            table = self.target.head_weight.detach().cpu()
+            table = self.target.head_weight.detach().cpu().float()
             net.masked_embedding.token_ordering.copy_(balanced_clusters(table, cfg.num_centroids, hot=shortlist,
                                                                          progress=self.rank == 0))
         return net.float()

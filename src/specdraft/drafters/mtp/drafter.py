@@ -80,6 +80,8 @@ class MTPDrafter(Drafter):
         """z [N, h], next state [N, H] -> (logits [N, M], candidate ids [N, M] or None for all V)."""
         table, vec = self.head_table_and_input(z, state)
         cands = self.net.masked_embedding.candidates(z) if self.net.masked_embedding is not None else None
+        if cands is None and self.net.config.head != "own":
+            return self.target.head_scores(vec).float(), None  # every token: the target's own (packed) head
         return score(vec, table, cands), cands
 
     @torch.inference_mode()

@@ -40,11 +40,14 @@ def score(vectors: torch.Tensor, table: torch.Tensor, candidates: torch.Tensor |
 
     Candidate rows are gathered `chunk` vectors at a time: evaluation scores thousands of
     anchors at once, and M = 4096 rows of d = 640 per vector would otherwise be gigabytes.
+    A table stored narrower than the vectors (the target's fp16 table under --weights fp16) is
+    widened row block by row block, exactly.
     """
     if candidates is None:
-        return torch.nn.functional.linear(vectors, table).float()
+        blocks = table.split(16384) if table.dtype != vectors.dtype else (table,)
+        return torch.cat([F.linear(vectors, rows.to(vectors.dtype)) for rows in blocks], -1).float()
     out = []
     for start in range(0, vectors.shape[0], chunk):
-        rows = F.embedding(candidates[start : start + chunk], table)  # [n, M, d]
+        rows = F.embedding(candidates[start : start + chunk], table).to(vectors.dtype)  # [n, M, d]
         out.append(torch.bmm(rows, vectors[start : start + chunk, :, None]).squeeze(2).float())
     return torch.cat(out)

@@ -223,11 +223,9 @@ def own_small_tensors(model: nn.Module) -> None:
     table is kept as loaded; copying the small ones releases the map otherwise.
     """
     with torch.no_grad():
-        for module in model.modules():
-            for store in (module._parameters, module._buffers):
-                for name, t in store.items():
-                    if t is not None and t.numel() < SMALL_TENSOR:
-                        t.data = t.data.clone()
+        for t in list(model.parameters()) + list(model.buffers()):
+            if t.numel() < SMALL_TENSOR:
+                t.data = t.data.clone()
 
 
 def narrow_tables(model: nn.Module) -> None:

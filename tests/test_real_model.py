@@ -88,3 +88,24 @@ def test_greedy_32_tokens_identical_to_transformers_generate(rt: Runtime, hf) ->
         assert len(ref) == 32 or ref[-1] in rt.tokenizer.eos_token_ids
         # Speculative decoding on the real model: the same tokens.
         assert s.token_ids == ref
+
+
+def test_gguf_weights_decode_as_the_float32_model(rt: Runtime) -> None:
+    """--weights gguf keeps the preset's Q4_K/Q5_0/Q6_K/Q8_0 blocks: every matrix rebuilds the float32
+    weights bit for bit (or loading would say which did not), logits agree up to the order of a
+    float32 sum, and speculative output equals plain output (the kernel is row-invariant)."""
+    from specdraft.models.block_linear import BlockLinear, kernel_available
+
+    if not kernel_available():
+        pytest.skip("no AVX2 CPU or no C compiler here")
+    packed = Runtime.load("gemma3-270m", "float32", "cpu", weights="gguf", progress=False)
+    assert packed.notes == [] and isinstance(packed.model.packed_head, BlockLinear)
+    for prompt in PROMPTS[:2]:
+        ids = rt.tokenizer.encode(prompt)
+        diff = (ours_logits(packed, ids) - ours_logits(rt, ids)).abs().max().item()
+        print(f"gguf vs float32 weights, max |logits diff| {diff:.2e}")
+        assert diff <= TOL
+    prompts = [rt.tokenizer.encode(p) for p in PROMPTS]
+    plain = Engine(packed.model, packed.tokenizer).generate(prompts, 32)
+    spec = Engine(packed.model, packed.tokenizer, NgramDrafter(), 4).generate(prompts, 32)
+    assert [s.token_ids for s in spec] == [p.token_ids for p in plain]

@@ -48,7 +48,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-WEIGHT_CHOICES = ("auto", "dtype", "int8", "int4", "fp16")
+WEIGHT_CHOICES = ("auto", "dtype", "int8", "int4", "fp16", "gguf")
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)  # what torch's packed CPU kernels take
 
 
@@ -64,7 +64,8 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_c
     a row the same bits whatever the number of rows (BENCHMARKS.md, weight formats). When
     --dtype auto chose float32 (`dtype_chosen`: a CPU without bf16 units) auto = fp16: the int8
     kernels are compute-bound there, FBGEMM's fp16 kernel reads half the bytes at float32's
-    arithmetic. A float32 the user asked for stays unquantised: it is the exactness reference."""
+    arithmetic (and widths 2-4 cost it little more than one row: the drafters' verifications; the
+    gguf format's plain step is faster, its wide ones slower, BENCHMARKS.md). A float32 the user asked for stays unquantised: it is the exactness reference."""
     if name not in WEIGHT_CHOICES:
         raise SpecdraftError(f"unknown weights {name!r} (use {', '.join(WEIGHT_CHOICES)})")
     packable = device.type == "cpu" and dtype in PACKABLE_DTYPES
@@ -77,6 +78,9 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_c
     if name in ("int8", "int4") and not packable:
         raise SpecdraftError(f"--weights {name} runs on torch's packed CPU kernels; "
                              f"use --device cpu, or --weights dtype")
+    if name == "gguf" and (device.type != "cpu" or dtype != torch.float32):
+        raise SpecdraftError("--weights gguf runs a CPU kernel with float32 activations; "
+                             "use --device cpu --dtype float32 (or auto on a CPU without bf16 units)")
     if name == "fp16" and (device.type != "cpu" or dtype != torch.float32 or not fp16_kernel_available()):
         raise SpecdraftError("--weights fp16 runs on FBGEMM's x86 CPU kernel with float32 activations; "
                              "use --device cpu --dtype float32 on an x86 CPU, or --weights dtype")

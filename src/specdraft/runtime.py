@@ -76,7 +76,7 @@ class Runtime:
         fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto")
         folder = resolve_model(name_or_path, progress)
         model, cfg, notes = load_folder(folder, dt, dev)
-        compact_weights(model, fmt)
+        notes += compact_weights(model, fmt, _source_blocks(name_or_path, folder) if fmt == "gguf" else None)
         if isinstance(getattr(model, "packed_head", None), Int8Head):
             _warm_up_int8_head(model.packed_head, progress)
         screen_head(model)  # float32 dense heads: greedy argmax from an fp16 screen, exact
@@ -87,10 +87,10 @@ class Runtime:
 
     @property
     def verify_width_budget(self) -> int | None:
-        """The widest verification that costs about one row block: the packed int8/int4 kernels
-        stream the weights once per 4 rows, so on this CPU widths 2-4 cost 1.2-1.4x a plain step
+        """The widest verification that costs about one row block: the packed int8/int4 kernels (and
+        the gguf kernel) stream the weights once per 4 rows, so on this CPU widths 2-4 cost 1.2-1.4x a plain step
         and width 5 twice it (`specdraft steps`, BENCHMARKS.md). None: no such step in cost."""
-        return 4 if self.weights in ("int8", "int4") else None
+        return 4 if self.weights in ("int8", "int4", "gguf") else None
 
     @property
     def speculate_below(self) -> int | None:
@@ -130,3 +130,23 @@ class Runtime:
         chosen = self.draft_policy(policy, progress) if drafter is not None else None
         return Engine(self.model, self.tokenizer, drafter, draft_tokens, speculate_below=self.speculate_below,
                       policy=chosen, **kwargs)
+
+
+def _source_blocks(name_or_path: str, folder: Path) -> dict:
+    """The quantised blocks of the GGUF file a preset or a .gguf path came from (--weights gguf):
+    saved by the conversion, or read once from the file for a folder converted before that."""
+    from specdraft.errors import SpecdraftError
+    from specdraft.loading.gguf_blocks import BLOCKS_FILE, load_blocks, save_blocks
+    from specdraft.loading.gguf_file import read_blocks
+    from specdraft.loading.presets import gguf_source
+
+    saved = folder / BLOCKS_FILE
+    if saved.exists():
+        return load_blocks(saved)
+    source = gguf_source(name_or_path)
+    if source is None:
+        raise SpecdraftError(f"--weights gguf keeps a GGUF file's quantised blocks, and {name_or_path} is not a "
+                             "preset or a .gguf file; use --weights fp16 or dtype")
+    blocks = read_blocks(source)
+    save_blocks(blocks, saved)
+    return blocks

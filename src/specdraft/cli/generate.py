@@ -22,6 +22,7 @@ EXACTNESS = ("Greedy text is identical with and without a drafter, token for tok
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--dtype/--device, shared by every subcommand that loads a target."""
+    from specdraft.device import WEIGHT_CHOICES
     from specdraft.loading.presets import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -31,11 +32,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="weights and activations; auto = bfloat16 on CUDA or on CPUs with AMX/AVX512-BF16, "
                         "else float32 (float32 is the exactness reference)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (auto = cuda when available)")
-    p.add_argument("--weights", default="auto", choices=["auto", "dtype", "int8", "int4", "fp16"],
+    p.add_argument("--weights", default="auto", choices=list(WEIGHT_CHOICES),
                    help="how weights are stored: auto = int8 on a CPU in bfloat16, fp16 where --dtype auto chose float32 "
                         "(CPUs without bf16 units), else as --dtype; int8: one scale per row, near-lossless (KL 0.005 vs bf16 "
                         "on gemma3-270m) and half the bytes; int4: a quarter of the bytes, measurably worse (KL 0.24); "
                         "fp16: half of float32's bytes, float32 arithmetic (x86 CPUs, --dtype float32); "
+                        "gguf: a GGUF model's own quantised blocks, multiplied as the float32 model's exact weights "
+                        "(presets and .gguf files; x86 CPUs with AVX2, --dtype float32; builds a small C kernel once): "
+                        "faster plain decoding than fp16, slower wide verification; "
                         "dtype: unquantised (with --dtype float32: the exactness reference)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: $SPECDRAFT_THREADS, else the physical cores); more threads than free cores makes "

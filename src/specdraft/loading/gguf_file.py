@@ -1,4 +1,5 @@
-"""GGUF -> Hugging Face folder (config.json, model.safetensors, tokenizer files).
+"""GGUF -> Hugging Face folder (config.json, model.safetensors, tokenizer files, and the quantised
+blocks as they are in gguf_blocks/, loading/gguf_blocks.py).
 
 Weights are dequantised to float32 with the `gguf` package and renamed to HF names, undoing
 the two things llama.cpp's converter changes: Gemma norm weights are stored as (1 + w), and
@@ -17,6 +18,9 @@ import torch
 from safetensors.torch import save_file
 
 from specdraft.errors import SpecdraftError
+from specdraft.loading.gguf_blocks import BLOCKS_FILE, SUPPORTED_BLOCK_FORMATS, decode_blocks, save_blocks
+from specdraft.loading.weights import text_decoder_weights
+from specdraft.models.block_linear import Blocks
 
 # GGUF block-local names -> HF names (inside "model.layers.{i}.").
 _LAYER_NAMES = {
@@ -171,6 +175,35 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     return f"model.layers.{layer}.{names[local]}.{kind}"
 
 
+def read_blocks(path: Path, reader=None) -> dict[str, Blocks]:
+    """Every block-quantised matrix of a GGUF file, named as our modules name their weights
+    (`layers.3.self_attn.q_proj.weight`, `embed_tokens.weight`); other tensors are left out.
+    `reader`: the file already opened (parsing a GGUF's metadata takes ~30 s for a 262k vocabulary)."""
+    reader = reader if reader is not None else open_gguf(path)
+    arch = field(reader, "general.architecture")
+    heads = {"q": field(reader, f"{arch}.attention.head_count"), "k": field(reader, f"{arch}.attention.head_count_kv")}
+    found: dict[str, Blocks] = {}
+    for t in reader.tensors:
+        fmt = t.tensor_type.name
+        if fmt not in SUPPORTED_BLOCK_FORMATS or len(t.shape) != 2:
+            continue
+        name = _hf_name(t.name, arch)
+        if name is None:
+            continue
+        k, n = (int(d) for d in t.shape)  # GGUF lists the input width first
+        try:
+            blocks = decode_blocks(t.data, fmt, (n, k))
+        except ValueError as e:
+            raise SpecdraftError(f"{path}: cannot read the blocks of {t.name} ({e}); is the file corrupt?") from None
+        for proj in ("q", "k"):  # llama.cpp interleaves Llama's q/k rows; undo it (rows only)
+            if arch == "llama" and f".self_attn.{proj}_proj." in name:
+                order = torch.from_numpy(_unpermute(np.arange(n), heads[proj]).copy())
+                blocks = blocks.rows(order)
+        found[name] = blocks
+    renamed, _ = text_decoder_weights(found)
+    return renamed
+
+
 def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> None:
     """Write config.json, model.safetensors (float32) and tokenizer files for `path` into out_dir."""
     from gguf import quants
@@ -208,5 +241,6 @@ def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+    save_blocks(read_blocks(path, reader), out_dir / BLOCKS_FILE)  # the quantised codes too (--weights gguf)
     convert_gguf_tokenizer(reader, out_dir)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import importlib.util
-import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -18,13 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from specdraft.cache_dir import cache_root
 from specdraft.errors import SpecdraftError
 
 DEFAULT_MODEL = "gemma3-270m"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECDRAFT_CACHE") or Path.home() / ".cache" / "specdraft")
 
 
 def _gemma3_270m() -> Path:
@@ -115,6 +111,14 @@ def ensure_gguf(path: Path, progress: bool = True) -> Path:
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     return _convert_into(path, cache_root() / "models" / f"{path.stem}-{key}", progress)
+
+
+def gguf_source(name_or_path: str) -> Path | None:
+    """The GGUF file a preset or a .gguf path was converted from (None for a HF folder)."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path].locate_gguf()
+    path = Path(name_or_path).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
 
 
 def resolve_model(name_or_path: str, progress: bool = True) -> Path:

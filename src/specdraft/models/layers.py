@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.kv_cache import SHORT_FORWARD
+from specdraft.models.block_linear import stack_blocks
 
 
 class RMSNorm(nn.Module):
@@ -98,6 +99,9 @@ def stack_linears(parts: tuple[nn.Linear, ...]) -> nn.Linear:
         if first.bias is not None:
             out.bias.copy_(torch.cat([p.bias for p in parts]))
     out.requires_grad_(first.weight.requires_grad)
+    blocks = [getattr(p, "gguf_blocks", None) for p in parts]
+    if all(b is not None for b in blocks):  # the GGUF blocks of the stacked weight (--weights gguf)
+        out.gguf_blocks = stack_blocks(blocks)
     return out
 
 

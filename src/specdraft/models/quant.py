@@ -7,6 +7,8 @@ LM head of Gemma 3 270M alone is 335 MB in bf16. Three weight-only formats:
 - int4: asymmetric, one scale and one offset per group of 32 inputs; `aten._weight_int4pack_mm_for_cpu`.
 - fp16: weights rounded to fp16, float32 activations and sums; FBGEMM (models/fp16_kernel.py).
   For CPUs without bf16 units, where the int8/int4 kernels are compute-bound.
+- gguf: the GGUF file's own quantised blocks, multiplied as the float32 model's exact weights
+  (models/block_linear.py); float32 activations. Only for models converted from a GGUF.
 
 The int8 and int4 kernels compute every output row on its own with a fixed reduction order
 (fp16 gets there by padding its calls, see fp16_kernel.py), so a row's
@@ -23,10 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.kv_cache import SHORT_FORWARD
-from specdraft.models import int8_head
+from specdraft.models import block_linear, int8_head
+from specdraft.models.block_linear import Blocks
 from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16, register
 
-WEIGHT_FORMATS = ("dtype", "int8", "int4", "fp16")  # dtype: weights stay in the model's dtype
+WEIGHT_FORMATS = ("dtype", "int8", "int4", "fp16", "gguf")  # dtype: weights stay in the model's dtype
 INT4_GROUP = 32
 # The packed kernels stream the weights once per 4 rows: right for decode and verify widths,
 # 2.5-3x slower than a bf16 GEMM for a prompt. Inputs of more tokens per row than a short forward
@@ -175,17 +178,20 @@ def compact_linear(linear: nn.Linear, fmt: str, dtype: torch.dtype) -> nn.Module
     return Int8Linear(weight, bias, dtype) if weight.shape[1] % INT8_PACK_MULTIPLE == 0 else linear
 
 
-def compact_weights(model: nn.Module, fmt: str) -> None:
+def compact_weights(model: nn.Module, fmt: str, blocks: dict[str, Blocks] | None = None) -> list[str]:
     """Replace every nn.Linear of the decoder layers and the LM head by its `fmt` version, in place.
 
     The head that scores all V tokens becomes `model.packed_head`. The embedding table stays
     unpacked (input lookups, the screened head and the MTP drafter's clustered head read its
-    rows): in the model's dtype, or in fp16 under "fp16" (`narrow_tables`).
+    rows): in the model's dtype, or in fp16 under "fp16" (`narrow_tables`). "gguf" takes the
+    source file's blocks (loading.gguf_blocks.read_blocks). Returns notes for the user.
     """
     if fmt == "dtype":
-        return
+        return []
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r} (use {', '.join(WEIGHT_FORMATS)})")
+    if fmt == "gguf":
+        return _gguf_weights(model, blocks)
     dtype = model.dtype
     if model.head_weight.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"--weights {fmt} needs the CPU in bfloat16 or float32 (torch's packed kernels); "
@@ -208,6 +214,44 @@ def compact_weights(model: nn.Module, fmt: str) -> None:
     else:
         model.packed_head = Int4Linear(head, None, dtype)
     own_small_tensors(model)
+    return []
+
+
+def _gguf_weights(model: nn.Module, blocks: dict[str, Blocks] | None) -> list[str]:
+    """--weights gguf: every linear whose GGUF blocks rebuild its float32 weight bit for bit
+    becomes a BlockLinear; the rest stay float32 (named in the returned note)."""
+    if not blocks:
+        raise ValueError("--weights gguf keeps a GGUF file's quantised blocks: it needs a model loaded "
+                         "from a .gguf file or a preset")
+    if model.head_weight.device.type != "cpu" or model.dtype != torch.float32:
+        raise ValueError(f"--weights gguf computes in float32 on the CPU; this model runs in {model.dtype} "
+                         f"on {model.head_weight.device.type}")
+    block_linear.library()  # a missing compiler is reported before anything changes
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and f"{name}.weight" in blocks:
+            module.gguf_blocks = blocks[f"{name}.weight"]  # carried through fusion (layers.stack_linears)
+    if hasattr(model, "fuse_projections"):
+        model.fuse_projections()
+    kept: list[str] = []
+    for child_name, child in list(model.layers.named_modules()):
+        for attr, sub in list(child.named_children()):
+            if type(sub) is not nn.Linear:
+                continue
+            source = sub.__dict__.pop("gguf_blocks", None)
+            packed = None if source is None else block_linear.exact_block_linear(sub.weight, sub.bias, source)
+            if packed is None:
+                kept.append(f"layers.{child_name}.{attr}")
+            else:
+                setattr(child, attr, packed)
+    head_name = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+    head = blocks.get(head_name)
+    if head is not None:
+        model.packed_head = block_linear.exact_block_linear(model.head_weight, None, head)
+    if model.packed_head is None:
+        kept.append("the LM head")
+    own_small_tensors(model)
+    return [f"--weights gguf: no exact GGUF blocks for {len(kept)} weight(s), kept in float32: {', '.join(kept[:4])}"
+            + (" ..." if len(kept) > 4 else "")] if kept else []
 
 
 SMALL_TENSOR = 1 << 22  # elements: norms and biases, not tables

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.device import fp16_kernel_available
+from specdraft.models.block_linear import BlockLinear
 from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16
 
 _U = 2.0**-24  # float32 unit roundoff
@@ -47,31 +48,46 @@ def _row_norm_maxima(weight: torch.Tensor, block: int = 8192) -> tuple[float, fl
     return err, norm
 
 
+def _row_norm_max(weight: torch.Tensor, block: int = 8192) -> float:
+    """max ||w|| over the rows, in float64."""
+    return max(rows.double().norm(dim=1).max().item() for rows in weight.split(block))
+
+
 class ScreenedHead(nn.Module):
     """argmax(h @ W^T) per row, exact, for a float32 or fp16 table W [V, H] on an x86 CPU."""
 
-    def __init__(self, weight: torch.Tensor, packed: torch.ScriptObject | None = None, fp16_values: bool = False):
+    def __init__(self, weight: torch.Tensor, packed: torch.ScriptObject | None = None, fp16_values: bool = False,
+                 scorer: nn.Module | None = None):
         """weight: the model's table (shared): float32, or fp16 with fp16_values; packed: its fp16
         copy when the model has one; fp16_values: the head's exact scores are against the
-        fp16-rounded table (--weights fp16)."""
+        fp16-rounded table (--weights fp16); scorer: instead of an fp16 screen, a module whose
+        float32 scores multiply by exactly `weight`'s values, summed in float32 (--weights gguf)."""
         super().__init__()
         dtypes = (torch.float32, torch.float16) if fp16_values else (torch.float32,)
         if weight.dtype not in dtypes or weight.device.type != "cpu":
             raise ValueError(f"the screened head takes a float32 CPU table (or fp16 values), not {weight.dtype} "
                              f"on {weight.device}")
         self.weight = weight  # rescoring reads its rows
-        self.packed = packed if packed is not None else prepack_fp16(weight)
+        self.scorer = scorer
         self.fp16_values = fp16_values
-        self.packed_nbytes = weight.numel() * 2 if packed is None else 0  # an fp16 copy of its own, or none
-        err, w16_norm = _row_norm_maxima(weight)
         k = weight.shape[1]
         gamma = k * _U / (1 - k * _U)
+        if scorer is not None:  # the weights are exact: only the float32 sum's rounding is left
+            self.packed, self.packed_nbytes = None, 0
+            self.bound_per_unit_h = gamma * _row_norm_max(weight) * _SLACK
+            return
+        self.packed = packed if packed is not None else prepack_fp16(weight)
+        self.packed_nbytes = weight.numel() * 2 if packed is None else 0  # an fp16 copy of its own, or none
+        err, w16_norm = _row_norm_maxima(weight)
         self.bound_per_unit_h = ((0.0 if fp16_values else err) + gamma * w16_norm) * _SLACK  # B / ||h||
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> argmax token ids [...] of the exact scores."""
         rows = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
-        scores = fp16_mm(rows, self.packed, pad=False)  # the bound holds for any row blocking
+        if self.scorer is not None:
+            scores = self.scorer(rows)
+        else:
+            scores = fp16_mm(rows, self.packed, pad=False)  # the bound holds for any row blocking
         top = scores.amax(dim=-1)  # values only: a tenth of max()'s cost over 262k scores
         margin = 2 * self.bound_per_unit_h * rows.norm(dim=-1)
         row_ids, token_ids = (scores >= (top - margin)[:, None]).nonzero(as_tuple=True)
@@ -94,6 +110,9 @@ def screen_head(model: nn.Module) -> bool:
     True if it did."""
     packed_head = getattr(model, "packed_head", None)
     weight = model.head_weight
+    if isinstance(packed_head, BlockLinear):
+        model.screened_head = ScreenedHead(weight, scorer=packed_head)
+        return True
     if packed_head is not None and hasattr(packed_head, "packed_fp16"):
         model.screened_head = ScreenedHead(weight, packed_head.packed_fp16, fp16_values=True)
         return True

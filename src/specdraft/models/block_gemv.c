@@ -1,0 +1,118 @@
+/* y = x W^T for W stored as GGUF-style blocks: one int8 code per weight, and per group of G
+ * inputs a float32 scale s and offset o (offset may be absent), so that the weight is
+ *
+ *     w = fl(fl(s * c) - o)
+ *
+ * which is exactly how llama.cpp's Q8_0, Q5_0, Q6_K and Q4_K blocks dequantise to float32 (the
+ * model's float32 weights ARE these numbers). The kernel widens each code, rebuilds w with the
+ * same two roundings and accumulates w * x in float32: the products are the float32 model's, only
+ * the order of the sum is the kernel's own.
+ *
+ * Row invariance: every (output, row) pair is summed in one fixed order (two 8-lane
+ * accumulators, for the even and the odd 8-input chunks, then a fixed horizontal sum), whatever the number of
+ * rows M in the call and however outputs are tiled across threads. So a row's result never
+ * depends on the rows computed beside it: a (K+1)-row verification gives each row the bits of a
+ * one-row step.
+ *
+ * Built on first use with the system C compiler (models/block_linear.py). OpenMP resolves to the
+ * runtime torch has already loaded (the same soname), so the two share one thread pool.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+
+/* Two 8-lane accumulators per (output, row): the even and the odd 8-input chunks. Four gave no
+ * gain on a 2-core AVX2 EPYC; a 4-row block reads each weight row once per 4 rows and measured
+ * fastest against 2 and 3 (BENCHMARKS.md). */
+#define ACCS 2
+#define ROW_BLOCK 4
+
+static inline __m256 widen8(const int8_t *codes) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)codes)));
+}
+
+static inline float hsum(const __m256 *acc) {
+    __m256 v = acc[0];
+    for (int a = 1; a < ACCS; a++) v = _mm256_add_ps(v, acc[a]);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* 0+4, 1+5, 2+6, 3+7 */
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));                                         /* + the pair 2 away */
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));                                  /* + the next */
+    return _mm_cvtss_f32(s);
+}
+
+/* One weight row (output n) against MB x rows (m0..), one function per MB so the accumulators
+ * are a fixed-size array the compiler keeps in registers. */
+#define TILE(MB)                                                                                   \
+static void tile_##MB(const int8_t *codes, const float *scales, const float *offsets,               \
+                      const float *x, float *y, int64_t n, int64_t m0, int64_t K, int64_t N,       \
+                      int log2g) {                                                                 \
+    __m256 acc[MB][ACCS];                                                                          \
+    for (int r = 0; r < MB; r++)                                                                   \
+        for (int a = 0; a < ACCS; a++) acc[r][a] = _mm256_setzero_ps();                            \
+    const int8_t *c = codes + n * K;                                                               \
+    const float *s = scales + n * (K >> log2g), *o = offsets ? offsets + n * (K >> log2g) : 0;     \
+    for (int64_t i = 0; i < K; i += 8 * ACCS) {                                                    \
+        for (int a = 0; a < ACCS; a++) {                                                           \
+            const int64_t ia = i + 8 * a;                                                          \
+            __m256 w = _mm256_mul_ps(_mm256_set1_ps(s[ia >> log2g]), widen8(c + ia));              \
+            if (o) w = _mm256_sub_ps(w, _mm256_set1_ps(o[ia >> log2g]));                           \
+            for (int r = 0; r < MB; r++)                                                           \
+                acc[r][a] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (m0 + r) * K + ia), acc[r][a]); \
+        }                                                                                          \
+    }                                                                                              \
+    for (int r = 0; r < MB; r++) y[(m0 + r) * N + n] = hsum(acc[r]);                               \
+}
+
+TILE(1)
+TILE(2)
+TILE(3)
+TILE(4)
+
+/* Rows m0..m0+mb-1 (mb <= ROW_BLOCK) for outputs n0..n1-1. */
+static void rows_block(const int8_t *codes, const float *scales, const float *offsets, const float *x,
+                       float *y, int64_t n0, int64_t n1, int64_t m0, int mb, int64_t K, int64_t N, int log2g)
+{
+    for (int64_t n = n0; n < n1; n++)
+        switch (mb) {
+        case 1: tile_1(codes, scales, offsets, x, y, n, m0, K, N, log2g); break;
+        case 2: tile_2(codes, scales, offsets, x, y, n, m0, K, N, log2g); break;
+        case 3: tile_3(codes, scales, offsets, x, y, n, m0, K, N, log2g); break;
+        default: tile_4(codes, scales, offsets, x, y, n, m0, K, N, log2g); break;
+        }
+}
+
+/* x [M, K] float32, codes [N, K] int8, scales/offsets [N, K/G] float32 (offsets may be NULL),
+ * y [M, N] float32. G is 16 or 32, K a multiple of G. threads: OpenMP threads for this call
+ * (torch's count, passed in: a thread that torch did not configure has OpenMP's default). */
+void block_gemv(const float *x, const int8_t *codes, const float *scales, const float *offsets,
+                float *y, int64_t M, int64_t N, int64_t K, int64_t G, int threads)
+{
+    const int log2g = G == 16 ? 4 : 5; /* the only group sizes GGUF blocks have here */
+    const int64_t chunk = 64; /* outputs per task: a multiple of every tile width */
+    const int64_t tasks = (N + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t n0 = task * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+            const int mb = (int)(M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK);
+            rows_block(codes, scales, offsets, x, y, n0, n1, m0, mb, K, N, log2g);
+        }
+    }
+}
+
+/* out [N, K] float32 = the weights, w = fl(fl(s * c) - o) exactly as above: prompts multiply by
+ * them with a float32 GEMM. One pass over the codes, writing each float once. */
+void block_dequantize(const int8_t *codes, const float *scales, const float *offsets, float *out,
+                      int64_t N, int64_t K, int64_t G, int threads)
+{
+    const int log2g = G == 16 ? 4 : 5;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++) {
+        const int8_t *c = codes + n * K;
+        const float *s = scales + n * (K >> log2g), *o = offsets ? offsets + n * (K >> log2g) : 0;
+        for (int64_t i = 0; i < K; i += 8) {
+            __m256 w = _mm256_mul_ps(_mm256_set1_ps(s[i >> log2g]), widen8(c + i));
+            if (o) w = _mm256_sub_ps(w, _mm256_set1_ps(o[i >> log2g]));
+            _mm256_storeu_ps(out + n * K + i, w);
+        }
+    }
+}

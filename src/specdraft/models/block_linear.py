@@ -1,0 +1,196 @@
+"""Linears over a GGUF file's own quantised blocks (--weights gguf), on a small AVX2 kernel.
+
+The float32 model converted from a GGUF holds weights that are exactly fl(fl(s * c) - o) for
+int8 codes c and per-group scales s and offsets o (loading/gguf_blocks.py). This format keeps
+c, s and o (about 1.1-1.25 bytes a weight, against fp16's 2 and float32's 4) and multiplies by
+the same float32 weights: block_gemv.c (beside this file) rebuilds each weight with llama.cpp's two
+roundings and sums the products in float32. Quality is therefore the float32 model's, up to
+the order of a sum.
+
+Every (output, row) pair is summed in one fixed order, so a row's result does not depend on the
+rows beside it (row-invariant by construction, no padding): speculative output equals plain
+output. Prompts (more than SHORT_FORWARD tokens a row) take the dequantised weights and a
+float32 GEMM, which is faster there; a row's decode steps and its verifications always take
+the kernel.
+
+The kernel is C, built on first use by the system C compiler (`cc`, or $CC) into the cache
+folder and loaded with ctypes: torch has no CPU kernel for these block formats, and on an AVX2
+CPU its own int8/int4 kernels are slower than fp16 here (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdraft.cache_dir import cache_root
+from specdraft.errors import SpecdraftError
+from specdraft.kv_cache import SHORT_FORWARD
+
+SOURCE = Path(__file__).resolve().parent / "block_gemv.c"
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]  # no FMA in w = s*c - o
+
+
+@dataclass
+class Blocks:
+    """w[n, k] = fl(fl(scales[n, k // group] * codes[n, k]) - offsets[n, k // group])."""
+
+    codes: torch.Tensor  # int8 [N, K]
+    scales: torch.Tensor  # float32 [N, K / group]
+    offsets: torch.Tensor | None  # float32 [N, K / group]; None: all zero
+    group: int
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weights, rounded as llama.cpp rounds them (a multiply, then a subtract)."""
+        w = self.codes.float() * self.scales.repeat_interleave(self.group, dim=1)
+        return w if self.offsets is None else w - self.offsets.repeat_interleave(self.group, dim=1)
+
+    def rows(self, index: torch.Tensor) -> "Blocks":
+        offsets = None if self.offsets is None else self.offsets[index]
+        return Blocks(self.codes[index], self.scales[index], offsets, self.group)
+
+    def regrouped(self, group: int) -> "Blocks":
+        """The same weights with groups of `group` (a divisor of self.group): scales repeated."""
+        if group == self.group:
+            return self
+        factor = self.group // group
+        offsets = None if self.offsets is None else self.offsets.repeat_interleave(factor, dim=1)
+        return Blocks(self.codes, self.scales.repeat_interleave(factor, dim=1), offsets, group)
+
+
+def stack_blocks(parts: list[Blocks]) -> Blocks:
+    """The blocks of the weights stacked row-wise (fused projections): the smallest group, and
+    zero offsets where a part has none (fl(x - 0) = x, so its weights do not change)."""
+    group = min(p.group for p in parts)
+    parts = [p.regrouped(group) for p in parts]
+    if any(p.offsets is not None for p in parts):
+        offsets = torch.cat([p.offsets if p.offsets is not None else torch.zeros_like(p.scales) for p in parts])
+    else:
+        offsets = None
+    return Blocks(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), offsets, group)
+
+
+class KernelUnavailable(SpecdraftError):
+    pass
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The compiled kernel, built once per source, compiler and flags into $SPECDRAFT_CACHE/kernels."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        raise KernelUnavailable("--weights gguf needs an x86 CPU with AVX2 and FMA")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([_compiler(), *FLAGS]).encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"block_gemv-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            try:
+                subprocess.run([_compiler(), *FLAGS, "-o", str(built), str(SOURCE)], check=True,
+                               capture_output=True, text=True, timeout=120)
+            except FileNotFoundError:
+                raise KernelUnavailable(f"--weights gguf builds a small C kernel and found no C compiler "
+                                        f"({_compiler()!r}); install gcc or set CC, or use --weights fp16") from None
+            except subprocess.CalledProcessError as e:
+                raise KernelUnavailable(f"building the gguf kernel failed:\n{e.stderr.strip()}") from None
+            os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
+    lib = ctypes.CDLL(str(target))
+    lib.block_gemv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+    lib.block_gemv.restype = None
+    lib.block_dequantize.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    lib.block_dequantize.restype = None
+    return lib
+
+
+def kernel_available() -> bool:
+    try:
+        library()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+def block_mm(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,
+             group: int) -> torch.Tensor:
+    """rows [M, K] float32 -> rows @ W^T [M, N] float32 for W given as blocks (see Blocks)."""
+    rows = rows.float().contiguous()
+    m, k = rows.shape
+    n = codes.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        library().block_gemv(rows.data_ptr(), codes.data_ptr(), scales.data_ptr(),
+                             None if offsets is None else offsets.data_ptr(), out.data_ptr(),
+                             m, n, k, group, torch.get_num_threads())
+    return out
+
+
+def block_dequantize(blocks: "Blocks") -> torch.Tensor:
+    """blocks.dequantized() in one pass of the kernel (the same bits: a multiply, then a subtract)."""
+    n, k = blocks.codes.shape
+    out = torch.empty(n, k, dtype=torch.float32)
+    library().block_dequantize(blocks.codes.data_ptr(), blocks.scales.data_ptr(),
+                               None if blocks.offsets is None else blocks.offsets.data_ptr(), out.data_ptr(),
+                               n, k, blocks.group, torch.get_num_threads())
+    return out
+
+
+# A compiled step cannot trace a ctypes call; it calls the kernel through this op. Eager calls
+# block_mm directly: the op's dispatch costs tens of microseconds, ~80 times a step.
+block_mm_op = torch.library.custom_op("specdraft::block_mm", block_mm, mutates_args=())
+
+
+@block_mm_op.register_fake
+def _(rows, codes, scales, offsets, group):
+    return rows.new_empty(rows.shape[0], codes.shape[0], dtype=torch.float32)
+
+
+class BlockLinear(nn.Module):
+    """y = x W^T + b with W kept as GGUF blocks; float32 in and out."""
+
+    def __init__(self, blocks: Blocks, bias: torch.Tensor | None):
+        super().__init__()
+        n, k = blocks.codes.shape
+        if blocks.group not in (16, 32) or k % blocks.group:
+            raise ValueError(f"blocks of {blocks.group} inputs over {k} inputs: the kernel takes groups of 16 or 32")
+        self.out_features, self.in_features, self.group = n, k, blocks.group
+        self.register_buffer("codes", blocks.codes.contiguous())
+        self.register_buffer("scales", blocks.scales.contiguous())
+        self.register_buffer("offsets", None if blocks.offsets is None else blocks.offsets.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @property
+    def blocks(self) -> Blocks:
+        return Blocks(self.codes, self.scales, self.offsets, self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() >= 3 and x.shape[-2] > SHORT_FORWARD:  # a prompt: a GEMM is faster there
+            return F.linear(x.float(), block_dequantize(self.blocks), self.bias)
+        rows = x.reshape(-1, self.in_features)
+        mm = block_mm_op if torch.compiler.is_compiling() else block_mm
+        y = mm(rows, self.codes, self.scales, self.offsets, self.group)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def exact_block_linear(weight: torch.Tensor, bias: torch.Tensor | None, blocks: Blocks) -> BlockLinear | None:
+    """A BlockLinear for (weight, bias) if `blocks` rebuild the float32 weight bit for bit, else None."""
+    if weight.dtype != torch.float32 or tuple(blocks.codes.shape) != tuple(weight.shape):
+        return None
+    if not torch.equal(blocks.dequantized(), weight):
+        return None
+    return BlockLinear(blocks, bias)

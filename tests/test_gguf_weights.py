@@ -1,0 +1,176 @@
+"""--weights gguf: a GGUF file's own blocks, decoded exactly and multiplied row-invariantly.
+
+Oracles: gguf-py's own dequantisation (bit for bit, on random blocks of every supported format),
+float64 products (within the float32 sum's proven error bound), a one-row call (bit for bit at
+every call size), and the float32 model converted from the same file.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import build_hf, prompts_of
+from test_quant import repetitive_prompts, speculative_equals_plain
+from specdraft.loading.gguf_blocks import SUPPORTED_BLOCK_FORMATS, decode_blocks
+from specdraft.models import block_linear
+from specdraft.models.block_linear import Blocks, stack_blocks
+
+kernel = pytest.mark.skipif(not block_linear.kernel_available(), reason="no AVX2 CPU or no C compiler here")
+
+
+def random_blocks(fmt: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random raw bytes of a [rows, cols] tensor in `fmt`, with every fp16 field a finite number."""
+    qtype = gguf.GGMLQuantizationType[fmt]
+    per_block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows * cols // per_block, nbytes), dtype=np.uint8)
+    f16 = {"Q8_0": [0], "Q4_0": [0], "Q5_0": [0], "Q4_1": [0, 2], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q6_K": [208]}[fmt]
+    for at in f16:  # a small positive or negative scale: exponent bits 0b01xxx, never inf or NaN
+        raw[:, at + 1] = (raw[:, at + 1] & 0x83) | 0x30
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("fmt", SUPPORTED_BLOCK_FORMATS)
+def test_blocks_rebuild_gguf_dequantisation_bit_for_bit(fmt: str) -> None:
+    raw = random_blocks(fmt, 8, 512, seed=1)
+    expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[fmt]).astype(np.float32)
+    blocks = decode_blocks(raw, fmt, (8, 512))
+    assert blocks.codes.dtype == torch.int8 and blocks.group in (16, 32)
+    assert torch.equal(blocks.dequantized(), torch.from_numpy(expected))
+
+
+def test_stacked_blocks_are_the_stacked_weights() -> None:
+    parts = [decode_blocks(random_blocks(f, 4, 256, seed=i), f, (4, 256)) for i, f in enumerate(("Q6_K", "Q4_K", "Q8_0"))]
+    stacked = stack_blocks(parts)
+    assert stacked.group == 16 and stacked.offsets is not None
+    assert torch.equal(stacked.dequantized(), torch.cat([p.dequantized() for p in parts]))
+
+
+def _blocks(n: int, k: int, group: int, offsets: bool, seed: int) -> Blocks:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-32, 32, (n, k), dtype=torch.int8, generator=gen)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02
+    offs = torch.rand(n, k // group, generator=gen) * 0.05 if offsets else None
+    return Blocks(codes, scales, offs, group)
+
+
+@kernel
+@pytest.mark.parametrize("group,offsets", [(32, False), (32, True), (16, False)])
+def test_kernel_is_within_the_float32_bound_and_row_invariant(group: int, offsets: bool) -> None:
+    blocks = _blocks(200, 640, group, offsets, seed=group)
+    w = blocks.dequantized()
+    x = torch.randn(13, 640, generator=torch.Generator().manual_seed(0))
+    y = block_linear.block_mm(x, blocks.codes, blocks.scales, blocks.offsets, group)
+    exact = x.double() @ w.double().T
+    k = x.shape[1]
+    gamma = k * 2.0**-24 / (1 - k * 2.0**-24)
+    bound = gamma * (x.double().abs() @ w.double().abs().T)  # |sum of k products in float32 - exact|
+    assert ((y.double() - exact).abs() <= bound).all()
+    alone = torch.cat([block_linear.block_mm(x[i : i + 1], blocks.codes, blocks.scales, blocks.offsets, group)
+                       for i in range(13)])
+    for m in range(1, 14):  # every call size gives each row the bits it gets alone
+        got = block_linear.block_mm(x[:m], blocks.codes, blocks.scales, blocks.offsets, group)
+        assert torch.equal(got, alone[:m]), m
+
+
+@kernel
+def test_block_linear_prompts_use_the_dequantised_weights() -> None:
+    blocks = _blocks(96, 256, 32, True, seed=3)
+    layer = block_linear.BlockLinear(blocks, torch.randn(96))
+    x = torch.randn(1, 20, 256)  # a prompt: more tokens than a short forward
+    assert torch.equal(block_linear.block_dequantize(blocks), blocks.dequantized())
+    assert torch.equal(layer(x), F.linear(x, blocks.dequantized(), layer.bias))
+    step = layer(x[:, :1])  # a decode step: the kernel, the same numbers up to the sum's order
+    assert torch.allclose(step, F.linear(x[:, :1], blocks.dequantized(), layer.bias), atol=1e-5, rtol=1e-5)
+
+
+def test_exact_block_linear_refuses_weights_the_blocks_do_not_rebuild() -> None:
+    blocks = _blocks(8, 64, 32, False, seed=4)
+    w = blocks.dequantized().clone()
+    assert block_linear.exact_block_linear(w, None, blocks) is not None
+    w[3, 5] = torch.nextafter(w[3, 5], torch.tensor(1.0))
+    assert block_linear.exact_block_linear(w, None, blocks) is None
+
+
+# ------------------------------------------------------------------ a quantised tiny GGUF, end to end
+
+
+def write_quantised_gguf(path: Path, fmt: str) -> Path:
+    """A tiny Llama whose matrices are stored in `fmt` (gguf-py quantises them), as llama.cpp writes it."""
+    from test_loaders import gguf_name, llama_cpp_permute, write_gguf
+
+    hf = build_hf("llama", seed=5, hidden_size=64, intermediate_size=128, head_dim=16,
+                  rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    qtype = gguf.GGMLQuantizationType[fmt]
+    real_add = gguf.GGUFWriter.add_tensor
+
+    def add_quantised(self, name, tensor, *args, **kwargs):
+        if tensor.ndim == 2 and tensor.shape[1] % 32 == 0:
+            data = gguf.quants.quantize(tensor.astype(np.float32), qtype)
+            return real_add(self, name, data, raw_dtype=qtype)
+        return real_add(self, name, tensor, *args, **kwargs)
+
+    gguf.GGUFWriter.add_tensor = add_quantised
+    try:
+        write_gguf(path, hf, "llama")
+    finally:
+        gguf.GGUFWriter.add_tensor = real_add
+    assert gguf_name and llama_cpp_permute  # the writer permutes q/k as llama.cpp does
+    return path
+
+
+@kernel
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "Q5_0"])
+def test_gguf_weights_decode_like_the_float32_model(tmp_path: Path, monkeypatch, fmt: str) -> None:
+    from specdraft.runtime import Runtime
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    path = write_quantised_gguf(tmp_path / f"tiny-{fmt}.gguf", fmt)
+    packed = Runtime.load(str(path), dtype="float32", weights="gguf", progress=False)
+    dense = Runtime.load(str(path), dtype="float32", weights="dtype", progress=False)
+    kinds = {type(m).__name__ for m in packed.model.layers.modules()}
+    assert "BlockLinear" in kinds and "Linear" not in kinds  # every matrix, q/k unpermuted included
+    assert isinstance(packed.model.packed_head, block_linear.BlockLinear)
+    assert packed.notes == []
+    vocab = packed.config.vocab_size
+    ids = torch.tensor([prompts_of([12], vocab, seed=2)[0]])
+    with torch.inference_mode():
+        cache_p, cache_d = packed.model.new_cache(1, 40), dense.model.new_cache(1, 40)
+        packed.model(ids, cache_p), dense.model(ids, cache_d)
+        for token in prompts_of([6], vocab, seed=3)[0]:  # decode steps: the kernel against float32 GEMV
+            t = torch.tensor([[token]])
+            lp, ld = packed.model.logits(packed.model(t, cache_p)), dense.model.logits(dense.model(t, cache_d))
+            assert (lp - ld).abs().max().item() < 1e-4
+    for batch in (1, 4):  # wide verifications give each row its one-row bits: output equals plain
+        speculative_equals_plain(packed.model, repetitive_prompts(vocab), batch)
+
+
+@kernel
+def test_a_folder_converted_without_blocks_reads_them_once(tmp_path: Path, monkeypatch) -> None:
+    from specdraft.loading.gguf_blocks import BLOCKS_FILE
+    from specdraft.runtime import Runtime
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    path = write_quantised_gguf(tmp_path / "tiny.gguf", "Q8_0")
+    first = Runtime.load(str(path), dtype="float32", weights="gguf", progress=False)
+    saved = first.folder / BLOCKS_FILE
+    assert saved.exists()
+    saved.unlink()  # as in a folder converted by an older specdraft
+    again = Runtime.load(str(path), dtype="float32", weights="gguf", progress=False)
+    assert saved.exists() and isinstance(again.model.packed_head, block_linear.BlockLinear)
+
+
+def test_gguf_weights_need_a_gguf_source(tmp_path: Path, gemma_tiny) -> None:
+    from specdraft.errors import SpecdraftError
+    from specdraft.runtime import Runtime
+
+    with pytest.raises(SpecdraftError, match="not a preset or a .gguf file"):
+        Runtime.load(str(gemma_tiny.folder), dtype="float32", weights="gguf", progress=False)
+    with pytest.raises(SpecdraftError, match="float32"):
+        Runtime.load(str(gemma_tiny.folder), dtype="bfloat16", weights="gguf", progress=False)

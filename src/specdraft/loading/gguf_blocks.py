@@ -81,25 +81,19 @@ def _q6_k(b):  # 256 values: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8
     return q.reshape(n, 256), _f16(b[:, 208:210]) * scales, None, 16
 
 
-# format name -> (values per block, bytes per block, decoder of [blocks, bytes] -> codes, scales, offsets, group)
-_DECODERS = {
-    "Q8_0": (32, 34, _q8_0),
-    "Q4_0": (32, 18, _q4_0),
-    "Q4_1": (32, 20, _q4_1),
-    "Q5_0": (32, 22, _q5_0),
-    "Q5_1": (32, 24, _q5_1),
-    "Q4_K": (256, 144, _q4_k),
-    "Q6_K": (256, 210, _q6_k),
-}
+# format name -> decoder of [blocks, bytes per block] -> (codes, scales, offsets, group); the
+# block sizes are gguf-py's (GGML_QUANT_SIZES)
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
 SUPPORTED_BLOCK_FORMATS = tuple(_DECODERS)
 
 
 def decode_blocks(data: np.ndarray, fmt: str, shape: tuple[int, int]) -> Blocks:
     """One GGUF tensor's raw bytes (format `fmt`, logical [N, K]) -> its Blocks."""
-    per_block, nbytes, decoder = _DECODERS[fmt]
-    n, k = shape
-    blocks = np.ascontiguousarray(data).reshape(-1, nbytes)
-    codes, scales, offsets, group = decoder(blocks)
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
+    n, _ = shape
+    codes, scales, offsets, group = _DECODERS[fmt](np.ascontiguousarray(data).reshape(-1, nbytes))
 
     def rows(a):
         return torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
@@ -123,7 +117,7 @@ def save_blocks(blocks: dict[str, Blocks], path: Path) -> None:
             tensors[f"{name}.offsets"] = b.offsets.contiguous()
         groups[name] = b.group
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # two processes may save at once
     save_file(tensors, str(tmp), metadata={"groups": json.dumps(groups)})
     os.replace(tmp, path)
 

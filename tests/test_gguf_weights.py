@@ -90,6 +90,57 @@ def test_block_linear_prompts_use_the_dequantised_weights() -> None:
     assert torch.allclose(step, F.linear(x[:, :1], blocks.dequantized(), layer.bias), atol=1e-5, rtol=1e-5)
 
 
+def near_tie_q8_table(hidden: torch.Tensor, seed: int) -> tuple[Blocks, list[int]]:
+    """A Q8_0 table (scale 0.01) where, for each hidden row m, token 2m + 1 beats token 2m by a
+    hair in exact arithmetic while the int8 screen ranks it below, and both beat every other
+    token. Token 2m's codes follow h; 2m + 1 adds two code steps where h's own int8 rounding
+    hides one and shows the other: +2 at an input i with t/4 < |h_i| < t/2 (rounded to 0) and -1
+    at an input j with t/2 <= |h_j| < 2 |h_i| (rounded to +-1), t being the input's group scale.
+    Returns the table and the rows it could build such a pair for."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-30, 31, (300, hidden.shape[1]), generator=gen, dtype=torch.int32)
+    rows = []
+    for m, h in enumerate(hidden):
+        t = h.abs().view(-1, 32).amax(-1).repeat_interleave(32) / 127
+        hidden_by_rounding = ((h.abs() > t / 4) & (h.abs() < t / 2)).nonzero().flatten()
+        if len(hidden_by_rounding) == 0:
+            continue
+        i = int(hidden_by_rounding[0])
+        shown = ((h.abs() >= t / 2) & (h.abs() < 2 * h[i].abs())).nonzero().flatten()
+        if len(shown) == 0:
+            continue
+        j = int(shown[0])
+        codes[2 * m] = (h / h.abs().max() * 100).round().int()
+        codes[2 * m + 1] = codes[2 * m]
+        codes[2 * m + 1, i] += 2 * int(h[i].sign())
+        codes[2 * m + 1, j] -= int(h[j].sign())
+        rows.append(m)
+    scales = torch.full((300, hidden.shape[1] // 32), 0.01)
+    return Blocks(codes.to(torch.int8), scales, None, 32), rows
+
+
+@kernel
+def test_int8_screen_is_within_its_bound_and_the_head_stays_exact() -> None:
+    from specdraft.models.screened_head import ScreenedHead
+
+    gen = torch.Generator().manual_seed(12)
+    hidden = torch.randn(40, 256, generator=gen) * (0.1 + torch.rand(40, 1, generator=gen) * 5)
+    hidden[:5, ::37] *= 40  # outliers: coarse activation scales in their groups
+    blocks, rows = near_tie_q8_table(hidden, seed=11)
+    assert len(rows) >= 15  # 17 with these seeds
+    weight = blocks.dequantized()
+    head = ScreenedHead(weight, scorer=block_linear.BlockLinear(blocks, None))
+    assert head.int8_table is not None  # a Q8_0 table takes the int8 screen
+    exact = hidden.double() @ weight.double().T
+    assert (exact.argmax(-1)[rows] == 2 * torch.tensor(rows) + 1).all()
+    scores, bound = head._int8_screen(hidden)
+    assert ((scores.double() - exact).abs() <= bound.double()[:, None]).all()
+    assert torch.equal(head(hidden), exact.argmax(-1))
+    assert torch.equal(torch.cat([head(hidden[i : i + 1]) for i in range(40)]), head(hidden))  # row-invariant
+    head.weight_norm = 0.0  # negative control: the screen alone picks the other token of each pair
+    assert (head(hidden)[rows] == 2 * torch.tensor(rows)).all()
+
+
 def test_exact_block_linear_refuses_weights_the_blocks_do_not_rebuild() -> None:
     blocks = _blocks(8, 64, 32, False, seed=4)
     w = blocks.dequantized().clone()

@@ -3,7 +3,7 @@
 The float32 model converted from a GGUF holds weights that are exactly fl(fl(s * c) - o) for
 int8 codes c and per-group scales s and offsets o (loading/gguf_blocks.py). This format keeps
 c, s and o (about 1.1-1.25 bytes a weight, against fp16's 2 and float32's 4) and multiplies by
-the same float32 weights: block_gemv.c (beside this file) rebuilds each weight with llama.cpp's two
+the same float32 weights: kernels/block_gemv.c rebuilds each weight with llama.cpp's two
 roundings and sums the products in float32. Quality is therefore the float32 model's, up to
 the order of a sum.
 
@@ -14,32 +14,20 @@ float32 GEMM, which is faster there; a row's decode steps and its verifications 
 the kernel.
 
 The kernel is C, built on first use by the system C compiler (`cc`, or $CC) into the cache
-folder and loaded with ctypes: torch has no CPU kernel for these block formats, and on an AVX2
+folder and loaded with ctypes (models/kernels): torch has no CPU kernel for these block formats, and on an AVX2
 CPU its own int8/int4 kernels are slower than fp16 here (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.cache_dir import cache_root
-from specdraft.errors import SpecdraftError
 from specdraft.kv_cache import SHORT_FORWARD
-
-SOURCE = Path(__file__).resolve().parent / "block_gemv.c"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]  # no FMA in w = s*c - o
-
+from specdraft.models.kernels import build
 
 @dataclass
 class Blocks:
@@ -80,49 +68,19 @@ def stack_blocks(parts: list[Blocks]) -> Blocks:
     return Blocks(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), offsets, group)
 
 
-class KernelUnavailable(SpecdraftError):
-    pass
+KernelUnavailable = build.KernelUnavailable
 
 
-def _compiler() -> str:
-    return os.environ.get("CC") or "cc"
-
-
-@lru_cache(maxsize=1)
-def library() -> ctypes.CDLL:
-    """The compiled kernel, built once per source, compiler and flags into $SPECDRAFT_CACHE/kernels."""
-    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
-        raise KernelUnavailable("--weights gguf needs an x86 CPU with AVX2 and FMA")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([_compiler(), *FLAGS]).encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"block_gemv-{key}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            try:
-                subprocess.run([_compiler(), *FLAGS, "-o", str(built), str(SOURCE)], check=True,
-                               capture_output=True, text=True, timeout=120)
-            except FileNotFoundError:
-                raise KernelUnavailable(f"--weights gguf builds a small C kernel and found no C compiler "
-                                        f"({_compiler()!r}); install gcc or set CC, or use --weights fp16") from None
-            except subprocess.CalledProcessError as e:
-                raise KernelUnavailable(f"building the gguf kernel failed:\n{e.stderr.strip()}") from None
-            os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
-    lib = ctypes.CDLL(str(target))
-    lib.block_gemv.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4 + [ctypes.c_int]
-    lib.block_gemv.restype = None
-    lib.block_dequantize.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.block_dequantize.restype = None
-    return lib
+def library():
+    """The compiled kernels (models/kernels), with a message that names this weights option."""
+    try:
+        return build.library()
+    except KernelUnavailable as e:
+        raise KernelUnavailable(f"--weights gguf: {e}; or use --weights fp16") from None
 
 
 def kernel_available() -> bool:
-    try:
-        library()
-    except KernelUnavailable:
-        return False
-    return True
+    return build.available()
 
 
 def block_mm(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None,

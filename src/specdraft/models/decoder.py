@@ -89,8 +89,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, cache, slot, span):
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span), x)
+            return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)), x)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span)
         return x + self.mlp(self.post_attention_layernorm(x))
 

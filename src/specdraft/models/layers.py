@@ -8,6 +8,9 @@ from torch import nn
 
 from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models.block_linear import stack_blocks
+from specdraft.models.kernels.attention import attend_short as native_attend_short
+from specdraft.models.kernels.build import applies as kernels_apply
+from specdraft.models.kernels.rms_norm import rms_norm as native_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -21,7 +24,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim)) if with_scale else None
         self._scale: tuple[tuple[int, int], torch.Tensor] | None = None  # (weight version, 1 + w)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """norm(x), or residual + norm(x) (one call where the C kernel serves: eager float32 CPU steps)."""
+        if kernels_apply(x) and (residual is None or residual.dtype == torch.float32):
+            scale = None if self.weight is None else self._offset_scale() if self.offset else self.weight
+            if scale is None or scale.dtype == torch.float32:
+                return native_rms_norm(x, scale, self.eps, residual)
+        y = self._reference(x)
+        return y if residual is None else residual + y
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
         # F.rms_norm computes x * rsqrt(mean(x^2) + eps) (* scale) as the references write it, in
         # one call instead of five. A decode step runs ~110 norms, so calls are what costs: casts
         # that would do nothing are skipped rather than dispatched.
@@ -116,6 +128,8 @@ def attend(
     """Attention of q [B, H, T, D] over k, v [B, Hkv, S, D] (GQA when Hkv < H); mask [B, 1, T, S] bool."""
     if softcap is None and q.shape[2] > SHORT_QUERY:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    if kernels_apply(q) and k.dtype == v.dtype == torch.float32 and (mask is None or mask.dtype == torch.bool):
+        return native_attend_short(q, k, v, mask, scale, softcap)  # one C call (models/kernels/attention.c)
     return _attend_short(q, k, v, mask, scale, softcap)
 
 

@@ -32,6 +32,8 @@ from torch import nn
 from specdraft.device import fp16_kernel_available
 from specdraft.models.block_linear import BlockLinear
 from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16
+from specdraft.models.kernels import build as kernels
+from specdraft.models.kernels.int8_screen import GROUP, int8_scores, quantize_rows
 
 _U = 2.0**-24  # float32 unit roundoff
 _SLACK = 1.001  # headroom for computing the bound itself in float32 (a few roundings near B)
@@ -71,10 +73,15 @@ class ScreenedHead(nn.Module):
         self.scorer = scorer
         self.fp16_values = fp16_values
         k = weight.shape[1]
-        gamma = k * _U / (1 - k * _U)
+        gamma = _gamma(k)
+        self.int8_table = None
         if scorer is not None:  # the weights are exact: only the float32 sum's rounding is left
             self.packed, self.packed_nbytes = None, 0
-            self.bound_per_unit_h = gamma * _row_norm_max(weight) * _SLACK
+            self.weight_norm = _row_norm_max(weight)
+            self.bound_per_unit_h = gamma * self.weight_norm * _SLACK
+            if _int8_blocks(scorer):  # a Q8_0 table: screen on its bytes (see _int8_screen)
+                self.int8_table = (scorer.codes, scorer.scales)
+                self.int8_gamma = _gamma(k // GROUP + 5)
             return
         self.packed = packed if packed is not None else prepack_fp16(weight)
         self.packed_nbytes = weight.numel() * 2 if packed is None else 0  # an fp16 copy of its own, or none
@@ -84,12 +91,13 @@ class ScreenedHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> argmax token ids [...] of the exact scores."""
         rows = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
-        if self.scorer is not None:
-            scores = self.scorer(rows)
+        if self.int8_table is not None:
+            scores, bound = self._int8_screen(rows)
         else:
-            scores = fp16_mm(rows, self.packed, pad=False)  # the bound holds for any row blocking
+            scorer = self.scorer if self.scorer is not None else lambda r: fp16_mm(r, self.packed, pad=False)
+            scores, bound = scorer(rows), self.bound_per_unit_h * rows.norm(dim=-1)  # any row blocking
         top = scores.amax(dim=-1)  # values only: a tenth of max()'s cost over 262k scores
-        margin = 2 * self.bound_per_unit_h * rows.norm(dim=-1)
+        margin = 2 * bound
         row_ids, token_ids = (scores >= (top - margin)[:, None]).nonzero(as_tuple=True)
         table = self.weight[token_ids]
         table = table.half() if self.fp16_values else table  # the same rounding as the packed copy
@@ -102,6 +110,34 @@ class ScreenedHead(nn.Module):
         if lost.any():
             choice[lost] = F.linear(rows[lost], self.weight.to(rows.dtype)).argmax(-1)
         return choice.view(hidden.shape[:-1])
+
+    def _int8_screen(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores from the int8 table and int8-quantised rows (one byte a weight read, a quarter of
+        float32's), and their error bound per row. With w = fl(s c) the table (exact blocks) and
+        r = h - t q the rows' quantisation residual (int8_screen.c),
+
+            |w . h - a| <= |(w - s c) . h| + |s c . r| + (float32 rounding of a)
+                        <= ||w|| (1 + u) (u ||h|| + ||r|| + gamma_(G+5) ||t q||)
+
+        (Cauchy-Schwarz, |w - s c| <= u |s c| elementwise, and the sum of G group terms in
+        float32 with its scale products rounded once)."""
+        q, t, residual, quantised = quantize_rows(rows)
+        scores = int8_scores(q, t, *self.int8_table)
+        h_norm = rows.norm(dim=-1).double()
+        bound = self.weight_norm * (1 + _U) * (_U * h_norm + residual + self.int8_gamma * quantised) * _SLACK
+        return scores, bound.float()
+
+
+def _gamma(n: int) -> float:
+    """The standard bound on a float32 sum of n roundings, relative to the sum of |terms|."""
+    return n * _U / (1 - n * _U)
+
+
+def _int8_blocks(scorer: nn.Module) -> bool:
+    """Whether the gguf head's blocks are an int8 table with one scale per 32 inputs (Q8_0) and
+    the kernels build here."""
+    return (isinstance(scorer, BlockLinear) and scorer.group == GROUP and scorer.offsets is None
+            and kernels.available())
 
 
 def screen_head(model: nn.Module) -> bool:

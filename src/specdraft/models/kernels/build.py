@@ -1,0 +1,90 @@
+"""Build the C kernels beside this file into one shared library, once, and load it."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from specdraft.cache_dir import cache_root
+from specdraft.errors import SpecdraftError
+
+SOURCES = sorted(Path(__file__).resolve().parent.glob("*.c"))
+# No FMA contraction: block_gemv.c rebuilds w = s*c - o with llama.cpp's two roundings.
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+
+_PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {  # name: argument types (every kernel returns nothing)
+    "block_gemv": [_PTR] * 5 + [_I64] * 4 + [_INT],
+    "block_dequantize": [_PTR] * 4 + [_I64] * 3 + [_INT],
+    "attend_rows": [_PTR] + [_I64] * 3 + [_PTR, _PTR] + [_I64] * 4 + [_PTR] + [_I64] * 2 + [_PTR]
+                   + [_I64] * 6 + [_FLOAT, _FLOAT, _PTR, _INT],
+    "q8_quantize_rows": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
+    "q8_gemv": [_PTR] * 5 + [_I64] * 3 + [_INT],
+    "rms_norm_rows": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT],
+}
+
+
+class KernelUnavailable(SpecdraftError):
+    pass
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+@lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The compiled kernels, built once per sources, compiler and flags into $SPECDRAFT_CACHE/kernels."""
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        raise KernelUnavailable("the C kernels need an x86 CPU with AVX2 and FMA")
+    digest = hashlib.sha256(" ".join([_compiler(), *FLAGS]).encode())
+    for source in SOURCES:
+        digest.update(source.name.encode() + source.read_bytes())
+    target = cache_root() / "kernels" / f"specdraft-{digest.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            built = Path(tmp) / target.name
+            try:
+                subprocess.run([_compiler(), *FLAGS, "-o", str(built), *map(str, SOURCES)], check=True,
+                               capture_output=True, text=True, timeout=180)
+            except FileNotFoundError:
+                raise KernelUnavailable(f"no C compiler found ({_compiler()!r}) to build specdraft's CPU kernels; "
+                                        f"install gcc or set CC") from None
+            except subprocess.CalledProcessError as e:
+                raise KernelUnavailable(f"building specdraft's CPU kernels failed:\n{e.stderr.strip()}") from None
+            os.replace(built, target)  # atomic: a concurrent process sees the whole file or none
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+@lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether the kernels build and load here (x86 with AVX2, a C compiler); asked once per process."""
+    try:
+        library()
+    except KernelUnavailable:
+        return False
+    return True
+
+
+def enabled() -> bool:
+    """Whether eager steps use the attention and norm kernels: where they build, unless
+    SPECDRAFT_KERNELS=0 (PyTorch's ops then, the reference they are tested against)."""
+    return os.environ.get("SPECDRAFT_KERNELS", "1") != "0" and available()
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether the kernels serve this forward: float32 on the CPU, no autograd, not being compiled."""
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling() and enabled())

@@ -1,0 +1,32 @@
+"""The greedy head's int8 screen (int8_screen.c): approximate scores and what bounds their error."""
+
+from __future__ import annotations
+
+import torch
+
+from specdraft.models.kernels.build import library
+
+GROUP = 32  # inputs per scale, for the table and the hidden rows alike
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rows [M, K] float32 -> int8 codes [M, K], scales [M, K/32], and per row in float64 the
+    norms ||rows - scales * codes|| and ||scales * codes||."""
+    m, k = rows.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    t = torch.empty(m, k // GROUP, dtype=torch.float32)
+    residual = torch.empty(m, dtype=torch.float64)
+    quantised = torch.empty(m, dtype=torch.float64)
+    library().q8_quantize_rows(rows.data_ptr(), m, k, q.data_ptr(), t.data_ptr(), residual.data_ptr(),
+                               quantised.data_ptr())
+    return q, t, residual, quantised
+
+
+def int8_scores(q: torch.Tensor, t: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Scores [M, N] of quantised rows (q, t) against the int8 table (codes [N, K], scales [N, K/32])."""
+    m, k = q.shape
+    n = codes.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32)
+    library().q8_gemv(q.data_ptr(), t.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr(), m, n, k,
+                      torch.get_num_threads())
+    return out

@@ -1,0 +1,150 @@
+"""The C kernels of the eager CPU step (models/kernels): attention over the cache and RMSNorm.
+
+Each must (1) compute what PyTorch's ops compute, within float32 rounding of its sums, and (2)
+give every row the same bits whatever rows share the call: that is what keeps speculative
+output equal to plain output. The model with them matches the model without them (PyTorch's
+ops, SPECDRAFT_KERNELS=0), and the reference path keeps its own speculative == plain check.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import TinyModel, assert_fp32_close, prompts_of, reduction_depth
+from specdraft.drafters.ngram import NgramDrafter
+from specdraft.models.kernels import build
+from specdraft.models.kernels.attention import attend_short
+from specdraft.models.kernels.rms_norm import rms_norm
+from specdraft.models.layers import RMSNorm, _attend_short
+from specdraft.speculative.engine import Engine
+
+pytestmark = pytest.mark.skipif(not build.available(), reason="no AVX2 CPU or no C compiler here")
+
+
+def window_mask(b: int, t: int, s: int, window: int | None, start: int) -> torch.Tensor:
+    """Causal mask [B, 1, T, S] for queries at start + i (row b shifted by b), as the cache builds it."""
+    pos = torch.arange(t)[None, :] + start - torch.arange(b)[:, None]
+    keys = torch.arange(s)
+    mask = keys[None, None, :] <= pos[:, :, None]
+    if window is not None:
+        mask &= keys[None, None, :] > pos[:, :, None] - window
+    return mask[:, None]
+
+
+CASES = [  # b, heads, kv heads, queries, keys, head dim, window, softcap
+    (1, 4, 1, 1, 640, 256, None, None),  # Gemma 3 270M's decode step
+    (1, 4, 1, 5, 640, 256, 512, None),  # its verification on a sliding layer
+    (3, 4, 2, 3, 40, 16, 8, None),  # the tiny test models
+    (2, 8, 2, 4, 100, 72, None, 30.0),  # a head size off the 64-wide chunks, softcapping
+    (2, 2, 2, 2, 33, 12, 5, None),  # a head size off the 8-wide vectors
+]
+
+
+@pytest.mark.parametrize("b,h,hkv,t,s,d,window,softcap", CASES)
+def test_attention_matches_pytorch_and_is_row_invariant(b, h, hkv, t, s, d, window, softcap) -> None:
+    gen = torch.Generator().manual_seed(s + d)
+    cache_k = torch.randn(b, hkv, s + 7, d, generator=gen)  # the cache is longer than the span read
+    cache_v = torch.randn(b, hkv, s + 7, d, generator=gen)
+    k, v = cache_k[:, :, :s], cache_v[:, :, :s]
+    q = torch.randn(b, t, h, d, generator=gen).transpose(1, 2)  # as the projection leaves it: strided
+    mask = window_mask(b, t, s, window, start=s - t)
+    with torch.no_grad():
+        got = attend_short(q, k, v, mask, d**-0.5, softcap)
+        ref = _attend_short(q, k, v, mask, d**-0.5, softcap)
+    assert got.shape == ref.shape
+    assert_fp32_close(got, ref, depth=d + s)
+    for i in range(t):  # one query alone gets the bits it gets among the others
+        assert torch.equal(attend_short(q[:, :, i : i + 1], k, v, mask[:, :, i : i + 1], d**-0.5, softcap),
+                           got[:, :, i : i + 1])
+    for r in range(b):  # and one batch row alone
+        assert torch.equal(attend_short(q[r : r + 1], k[r : r + 1], v[r : r + 1], mask[r : r + 1], d**-0.5, softcap),
+                           got[r : r + 1])
+
+
+def test_attention_without_mask_and_with_no_visible_key() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 2, 16, generator=gen) for _ in range(3))
+    assert_fp32_close(attend_short(q, k, v, None, 0.25, None), _attend_short(q, k, v, None, 0.25, None), depth=18)
+    mask = torch.tensor([[True, False], [False, False]])[None, None]  # the second query sees nothing
+    got, ref = attend_short(q, k, v, mask, 0.25, None), _attend_short(q, k, v, mask, 0.25, None)
+    assert ref[:, :, 1].isnan().all() and got[:, :, 1].isnan().all()  # as softmax over no key gives
+    assert torch.equal(got[:, :, 0], v[:, :, 0].expand_as(got[:, :, 0]))  # one visible key: exactly its value
+
+
+@pytest.mark.parametrize("weighted,residual", [(True, False), (True, True), (False, False)])
+def test_rms_norm_matches_pytorch_and_is_row_invariant(weighted: bool, residual: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 5, 640, generator=gen) * 4
+    w = torch.randn(640, generator=gen) if weighted else None
+    res = torch.randn(3, 5, 640, generator=gen) if residual else None
+    got = rms_norm(x, w, 1e-6, res)
+    ref = F.rms_norm(x, (640,), w, 1e-6)
+    ref = ref if res is None else res + ref
+    assert_fp32_close(got, ref, depth=640)
+    assert torch.equal(rms_norm(x[1:2, 2:3], w, 1e-6, None if res is None else res[1:2, 2:3]), got[1:2, 2:3])
+
+
+def test_rms_norm_module_takes_the_kernel_only_without_autograd() -> None:
+    norm = RMSNorm(64, 1e-6, offset=True)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(2, 64, requires_grad=True)
+    y = norm(x)  # autograd: PyTorch's ops, so training gets gradients
+    y.sum().backward()
+    assert x.grad is not None
+    with torch.no_grad():
+        assert_fp32_close(norm(x), norm._reference(x), depth=64)
+
+
+def _decode_logits(model, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Logits of a prefill and `steps` greedy one-token steps, and the tokens chosen."""
+    cache = model.new_cache(1, len(prompt) + steps + 1)
+    with torch.inference_mode():
+        logits = [model.logits(model(torch.tensor([prompt]), cache))[0, -1]]
+        tokens = []
+        for _ in range(steps):
+            tokens.append(int(logits[-1].argmax()))
+            logits.append(model.logits(model(torch.tensor([[tokens[-1]]]), cache))[0, -1])
+    return torch.stack(logits), tokens
+
+
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+def test_model_with_kernels_matches_pytorch_ops(family: str, gemma_tiny: TinyModel, llama_tiny: TinyModel,
+                                                monkeypatch) -> None:
+    tiny = gemma_tiny if family == "gemma" else llama_tiny
+    prompt = prompts_of([12], tiny.cfg.vocab_size, seed=5)[0]
+    got, got_tokens = _decode_logits(tiny.ours, prompt, 20)  # past the tiny Gemma's window of 8
+    monkeypatch.setenv("SPECDRAFT_KERNELS", "0")
+    ref, ref_tokens = _decode_logits(tiny.ours, prompt, 20)
+    assert_fp32_close(got, ref, reduction_depth(tiny.cfg))
+    assert got_tokens == ref_tokens
+
+
+def test_pytorch_reference_path_keeps_speculative_equal_to_plain(gemma_tiny: TinyModel, monkeypatch) -> None:
+    """Without the kernels (SPECDRAFT_KERNELS=0, or no compiler), the ops' own path stays exact."""
+    monkeypatch.setenv("SPECDRAFT_KERNELS", "0")
+    prompts = [p + p[:5] for p in prompts_of([9, 14, 3], gemma_tiny.cfg.vocab_size, seed=7)]
+    plain = Engine(gemma_tiny.ours).generate(prompts, 24, eos_token_ids=[])
+    spec = Engine(gemma_tiny.ours, None, NgramDrafter(), 4).generate(prompts, 24, eos_token_ids=[])
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+
+
+def test_without_a_compiler_the_model_runs_on_pytorch_ops(gemma_tiny: TinyModel, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))  # no kernel built earlier
+    build.library.cache_clear()
+    build.available.cache_clear()
+    try:
+        assert not build.available()
+        with pytest.raises(build.KernelUnavailable, match="no C compiler"):
+            build.library()
+        prompt = prompts_of([10], gemma_tiny.cfg.vocab_size, seed=9)[0]
+        got, _ = _decode_logits(gemma_tiny.ours, prompt, 3)
+        monkeypatch.setenv("SPECDRAFT_KERNELS", "0")
+        ref, _ = _decode_logits(gemma_tiny.ours, prompt, 3)
+        assert torch.equal(got, ref)  # the same ops: the same bits
+    finally:
+        build.library.cache_clear()
+        build.available.cache_clear()

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from specdraft.drafters.base import Drafter, DraftInput
+from specdraft.models.kernels import build as kernels
 from specdraft.sampling import SamplingParams
 
 # Conditional per-position acceptance before a row has any evidence. Optimistic on purpose: a
@@ -229,15 +230,16 @@ def cost_key(model_name: str, folder: str, weights: str, dtype: str, device: tor
         "model": model_name, "folder": str(folder), "weights": weights, "dtype": dtype, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "code": forward_code_digest(),
+        "kernels": kernels.enabled(),
     }
 
 
 @functools.lru_cache(maxsize=1)
 def forward_code_digest() -> str:
-    """A hash of the source that decides what a forward costs (models/, the KV cache): an update
-    that makes steps cheaper or dearer re-profiles instead of trusting an old table."""
+    """A hash of the source that decides what a forward costs (models/ and its C kernels, the KV
+    cache): an update that makes steps cheaper or dearer re-profiles instead of trusting an old table."""
     root = Path(__file__).resolve().parents[1]
-    files = sorted((root / "models").glob("*.py")) + [root / "kv_cache.py"]
+    files = sorted([*(root / "models").rglob("*.py"), *(root / "models").rglob("*.c")]) + [root / "kv_cache.py"]
     digest = hashlib.sha1()
     for f in files:
         digest.update(f.name.encode() + b"\0" + f.read_bytes())

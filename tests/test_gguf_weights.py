@@ -137,8 +137,28 @@ def test_int8_screen_is_within_its_bound_and_the_head_stays_exact() -> None:
     assert ((scores.double() - exact).abs() <= bound.double()[:, None]).all()
     assert torch.equal(head(hidden), exact.argmax(-1))
     assert torch.equal(torch.cat([head(hidden[i : i + 1]) for i in range(40)]), head(hidden))  # row-invariant
-    head.weight_norm = 0.0  # negative control: the screen alone picks the other token of each pair
+    head.int8_err = head.int8_norm = 0.0  # negative control: the screen alone picks the other token of each pair
     assert (head(hidden)[rows] == 2 * torch.tensor(rows)).all()
+
+
+@kernel
+def test_int8_screen_of_an_fp16_table_is_exact() -> None:
+    """--weights fp16: the head quantises its fp16 table to int8 blocks at load and bounds both
+    the table's and the rows' quantisation."""
+    from specdraft.models.screened_head import ScreenedHead
+
+    gen = torch.Generator().manual_seed(13)
+    hidden = torch.randn(40, 256, generator=gen) * (0.1 + torch.rand(40, 1, generator=gen) * 5)
+    blocks, rows = near_tie_q8_table(hidden, seed=14)
+    table = (blocks.dequantized() * (1 + torch.rand(300, 256, generator=gen) * 1e-3)).half()  # off the int8 grid
+    head = ScreenedHead(table, fp16_values=True)
+    assert head.int8_table is not None and head.int8_err > 0
+    exact = hidden.double() @ table.double().T
+    scores, bound = head._int8_screen(hidden)
+    assert ((scores.double() - exact).abs() <= bound.double()[:, None]).all()
+    assert torch.equal(head(hidden), exact.argmax(-1))
+    head.int8_err = head.int8_norm = 0.0  # negative control
+    assert not torch.equal(head(hidden), exact.argmax(-1))
 
 
 def test_exact_block_linear_refuses_weights_the_blocks_do_not_rebuild() -> None:

@@ -33,7 +33,7 @@ from specdraft.device import fp16_kernel_available
 from specdraft.models.block_linear import BlockLinear
 from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16
 from specdraft.models.kernels import build as kernels
-from specdraft.models.kernels.int8_screen import GROUP, int8_scores, quantize_rows
+from specdraft.models.kernels.int8_screen import GROUP, int8_scores, quantize_rows, quantize_table
 
 _U = 2.0**-24  # float32 unit roundoff
 _SLACK = 1.001  # headroom for computing the bound itself in float32 (a few roundings near B)
@@ -81,10 +81,19 @@ class ScreenedHead(nn.Module):
             self.bound_per_unit_h = gamma * self.weight_norm * _SLACK
             if _int8_blocks(scorer):  # a Q8_0 table: screen on its bytes (see _int8_screen)
                 self.int8_table = (scorer.codes, scorer.scales)
-                self.int8_gamma = _gamma(k // GROUP + 5)
+                # w = fl(s c): |w - s c| <= u |s c| elementwise, and ||s c|| <= (1 + u) ||w||
+                self._set_int8_bound(_U * (1 + _U) * self.weight_norm, (1 + _U) * self.weight_norm, k)
             return
         self.packed = packed if packed is not None else prepack_fp16(weight)
         self.packed_nbytes = weight.numel() * 2 if packed is None else 0  # an fp16 copy of its own, or none
+        if fp16_values and k % GROUP == 0 and kernels.available():
+            # --weights fp16: an int8 copy of the table (0.6x the fp16 bytes) screens greedy steps;
+            # the packed fp16 copy stays for sampling, which needs every logit.
+            codes, scales, table_err, table_norm = quantize_table(weight)
+            self.register_buffer("int8_codes", codes)
+            self.register_buffer("int8_scales", scales)
+            self.int8_table = (codes, scales)
+            self._set_int8_bound(table_err, table_norm, k)
         err, w16_norm = _row_norm_maxima(weight)
         self.bound_per_unit_h = ((0.0 if fp16_values else err) + gamma * w16_norm) * _SLACK  # B / ||h||
 
@@ -111,20 +120,24 @@ class ScreenedHead(nn.Module):
             choice[lost] = F.linear(rows[lost], self.weight.to(rows.dtype)).argmax(-1)
         return choice.view(hidden.shape[:-1])
 
+    def _set_int8_bound(self, table_err: float, table_norm: float, k: int) -> None:
+        """table_err >= max ||w - s c||, table_norm >= max ||s c|| over the table's rows."""
+        self.int8_err, self.int8_norm, self.int8_gamma = table_err, table_norm, _gamma(k // GROUP + 5)
+
     def _int8_screen(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Scores from the int8 table and int8-quantised rows (one byte a weight read, a quarter of
-        float32's), and their error bound per row. With w = fl(s c) the table (exact blocks) and
-        r = h - t q the rows' quantisation residual (int8_screen.c),
+        """Scores from the int8 table (codes c, scales s) and int8-quantised rows (one byte a weight
+        read, half of fp16's), and their error bound per row. With r = h - t q the rows'
+        quantisation residual (int8_screen.c),
 
             |w . h - a| <= |(w - s c) . h| + |s c . r| + (float32 rounding of a)
-                        <= ||w|| (1 + u) (u ||h|| + ||r|| + gamma_(G+5) ||t q||)
+                        <= max||w - s c|| ||h|| + max||s c|| (||r|| + gamma_(G+5) ||t q||)
 
-        (Cauchy-Schwarz, |w - s c| <= u |s c| elementwise, and the sum of G group terms in
-        float32 with its scale products rounded once)."""
+        (Cauchy-Schwarz twice, and the sum of G group terms in float32 with its scale products
+        rounded once)."""
         q, t, residual, quantised = quantize_rows(rows)
         scores = int8_scores(q, t, *self.int8_table)
         h_norm = rows.norm(dim=-1).double()
-        bound = self.weight_norm * (1 + _U) * (_U * h_norm + residual + self.int8_gamma * quantised) * _SLACK
+        bound = (self.int8_err * h_norm + self.int8_norm * (residual + self.int8_gamma * quantised)) * _SLACK
         return scores, bound.float()
 
 

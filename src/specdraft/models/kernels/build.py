@@ -25,7 +25,7 @@ SIGNATURES = {  # name: argument types (every kernel returns nothing)
     "block_dequantize": [_PTR] * 4 + [_I64] * 3 + [_INT],
     "attend_rows": [_PTR] + [_I64] * 3 + [_PTR, _PTR] + [_I64] * 4 + [_PTR] + [_I64] * 2 + [_PTR]
                    + [_I64] * 6 + [_FLOAT, _FLOAT, _PTR, _INT],
-    "q8_quantize_rows": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
+    "q8_quantize_rows": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
     "q8_gemv": [_PTR] * 5 + [_I64] * 3 + [_INT],
     "rms_norm_rows": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT],
 }

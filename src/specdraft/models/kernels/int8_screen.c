@@ -22,8 +22,10 @@
 
 /* x [M, K] float32 -> q [M, K] int8, t [M, K/32] float32, and per row in float64 the norms
  * ||x - t q|| (residual) and ||t q||. */
-void q8_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *t, double *residual, double *quantised)
+void q8_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *t, double *residual, double *quantised,
+                      int threads)
 {
+#pragma omp parallel for schedule(static) num_threads(threads) if (M * K >= (1 << 16))
     for (int64_t m = 0; m < M; m++) {
         double rr = 0.0, qq = 0.0;
         for (int64_t g = 0; g < K / GROUP; g++) {

@@ -18,7 +18,7 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     residual = torch.empty(m, dtype=torch.float64)
     quantised = torch.empty(m, dtype=torch.float64)
     library().q8_quantize_rows(rows.data_ptr(), m, k, q.data_ptr(), t.data_ptr(), residual.data_ptr(),
-                               quantised.data_ptr())
+                               quantised.data_ptr(), torch.get_num_threads())
     return q, t, residual, quantised
 
 
@@ -30,3 +30,21 @@ def int8_scores(q: torch.Tensor, t: torch.Tensor, codes: torch.Tensor, scales: t
     library().q8_gemv(q.data_ptr(), t.data_ptr(), codes.data_ptr(), scales.data_ptr(), out.data_ptr(), m, n, k,
                       torch.get_num_threads())
     return out
+
+
+def quantize_table(weight: torch.Tensor, block: int = 8192) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """A table [N, K] (float32 or fp16) -> int8 codes [N, K] and float32 scales [N, K/32], quantised
+    as the hidden rows are, with the max over rows of ||w - s c|| and of ||s c|| (the screen's
+    bound). A block of rows at a time, widened to float32 (exactly, from fp16)."""
+    n, k = weight.shape
+    codes = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, k // GROUP, dtype=torch.float32)
+    err = norm = 0.0
+    for start in range(0, n, block):
+        rows = weight[start : start + block].float().contiguous()
+        m = rows.shape[0]
+        residual, quantised = torch.empty(m, dtype=torch.float64), torch.empty(m, dtype=torch.float64)
+        library().q8_quantize_rows(rows.data_ptr(), m, k, codes[start:].data_ptr(), scales[start:].data_ptr(),
+                                   residual.data_ptr(), quantised.data_ptr(), torch.get_num_threads())
+        err, norm = max(err, residual.max().item()), max(norm, quantised.max().item())
+    return codes, scales, err, norm

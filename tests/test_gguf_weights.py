@@ -137,6 +137,9 @@ def test_int8_screen_is_within_its_bound_and_the_head_stays_exact() -> None:
     assert ((scores.double() - exact).abs() <= bound.double()[:, None]).all()
     assert torch.equal(head(hidden), exact.argmax(-1))
     assert torch.equal(torch.cat([head(hidden[i : i + 1]) for i in range(40)]), head(hidden))  # row-invariant
+    head.crowded = 1  # rows with more than one candidate are screened again finely: still exact
+    assert torch.equal(head(hidden), exact.argmax(-1))
+    head.crowded = 10**9
     head.int8_err = head.int8_norm = 0.0  # negative control: the screen alone picks the other token of each pair
     assert (head(hidden)[rows] == 2 * torch.tensor(rows)).all()
 
@@ -157,6 +160,9 @@ def test_int8_screen_of_an_fp16_table_is_exact() -> None:
     scores, bound = head._int8_screen(hidden)
     assert ((scores.double() - exact).abs() <= bound.double()[:, None]).all()
     assert torch.equal(head(hidden), exact.argmax(-1))
+    head.crowded = 1
+    assert torch.equal(head(hidden), exact.argmax(-1))
+    head.crowded = 10**9
     head.int8_err = head.int8_norm = 0.0  # negative control
     assert not torch.equal(head(hidden), exact.argmax(-1))
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specdraft.kv_cache import KVCache
+from specdraft.speculative.policy import profile_tokens
 
 
 @dataclass
@@ -58,11 +59,11 @@ def step_times(model: torch.nn.Module, batch_sizes: list[int], widths: list[int]
     vocab = model.config.vocab_size
     for b in batch_sizes:
         cache: KVCache = model.new_cache(b, context + max(widths) + 1)
-        prompt = torch.randint(0, vocab, (b, context), generator=torch.Generator().manual_seed(0))
-        model(prompt.to(cache.device), cache)
+        text = profile_tokens(vocab, b, context + max(widths), seed=0)  # as the adaptive policy times steps
+        model(text[:, :context].to(cache.device), cache)
         base = None
         for w in widths:
-            tokens = torch.randint(0, vocab, (b, w), generator=torch.Generator().manual_seed(w)).to(cache.device)
+            tokens = text[:, context : context + w].to(cache.device)
 
             def forward() -> None:
                 cache.rollback([context] * b)

@@ -36,6 +36,7 @@ from specdraft.models.kernels import build as kernels
 from specdraft.models.kernels.int8_screen import GROUP, int8_scores, quantize_rows, quantize_table
 
 _U = 2.0**-24  # float32 unit roundoff
+CROWDED = 2048  # candidates per row past which the int8 screen's row is screened again finely
 _SLACK = 1.001  # headroom for computing the bound itself in float32 (a few roundings near B)
 
 
@@ -75,6 +76,7 @@ class ScreenedHead(nn.Module):
         k = weight.shape[1]
         gamma = _gamma(k)
         self.int8_table = None
+        self.crowded = CROWDED
         if scorer is not None:  # the weights are exact: only the float32 sum's rounding is left
             self.packed, self.packed_nbytes = None, 0
             self.weight_norm = _row_norm_max(weight)
@@ -100,14 +102,17 @@ class ScreenedHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> argmax token ids [...] of the exact scores."""
         rows = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
-        if self.int8_table is not None:
-            scores, bound = self._int8_screen(rows)
+        if self.int8_table is None:
+            keep = _candidates(*self._fine_screen(rows))
         else:
-            scorer = self.scorer if self.scorer is not None else lambda r: fp16_mm(r, self.packed, pad=False)
-            scores, bound = scorer(rows), self.bound_per_unit_h * rows.norm(dim=-1)  # any row blocking
-        top = scores.amax(dim=-1)  # values only: a tenth of max()'s cost over 262k scores
-        margin = 2 * bound
-        row_ids, token_ids = (scores >= (top - margin)[:, None]).nonzero(as_tuple=True)
+            keep = _candidates(*self._int8_screen(rows))
+            # A flat row (near-uniform scores: random tokens, say) lets thousands of tokens within
+            # the int8 bound; rescoring them would cost more than the fine screen, whose bound is
+            # ~25x tighter. The choice is the row's own, so rows stay independent.
+            crowded = (keep.sum(-1) > self.crowded).nonzero().flatten()
+            if len(crowded):
+                keep[crowded] = _candidates(*self._fine_screen(rows[crowded]))
+        row_ids, token_ids = keep.nonzero(as_tuple=True)
         table = self.weight[token_ids]
         table = table.half() if self.fp16_values else table  # the same rounding as the packed copy
         exact = (table.double() * rows[row_ids].double()).sum(-1)
@@ -119,6 +124,11 @@ class ScreenedHead(nn.Module):
         if lost.any():
             choice[lost] = F.linear(rows[lost], self.weight.to(rows.dtype)).argmax(-1)
         return choice.view(hidden.shape[:-1])
+
+    def _fine_screen(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scores from the exact weights (gguf kernel) or the fp16 copy, and their bound per row."""
+        scores = self.scorer(rows) if self.scorer is not None else fp16_mm(rows, self.packed, pad=False)
+        return scores, self.bound_per_unit_h * rows.norm(dim=-1)  # the bound holds for any row blocking
 
     def _set_int8_bound(self, table_err: float, table_norm: float, k: int) -> None:
         """table_err >= max ||w - s c||, table_norm >= max ||s c|| over the table's rows."""
@@ -139,6 +149,13 @@ class ScreenedHead(nn.Module):
         h_norm = rows.norm(dim=-1).double()
         bound = (self.int8_err * h_norm + self.int8_norm * (residual + self.int8_gamma * quantised)) * _SLACK
         return scores, bound.float()
+
+
+def _candidates(scores: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """[M, V] bool: the tokens whose exact score can be a row's maximum, given scores within
+    `bound` [M] of the exact ones."""
+    top = scores.amax(dim=-1)  # values only: a tenth of max()'s cost over 262k scores
+    return scores >= (top - 2 * bound)[:, None]
 
 
 def _gamma(n: int) -> float:

@@ -236,10 +236,12 @@ def cost_key(model_name: str, folder: str, weights: str, dtype: str, device: tor
 
 @functools.lru_cache(maxsize=1)
 def forward_code_digest() -> str:
-    """A hash of the source that decides what a forward costs (models/ and its C kernels, the KV
-    cache): an update that makes steps cheaper or dearer re-profiles instead of trusting an old table."""
+    """A hash of the source that decides what a forward costs and how it is timed (models/ and its
+    C kernels, the KV cache, this file): an update that makes steps cheaper or dearer, or times
+    them differently, re-profiles instead of trusting an old table."""
     root = Path(__file__).resolve().parents[1]
-    files = sorted([*(root / "models").rglob("*.py"), *(root / "models").rglob("*.c")]) + [root / "kv_cache.py"]
+    files = sorted([*(root / "models").rglob("*.py"), *(root / "models").rglob("*.c")])
+    files += [root / "kv_cache.py", Path(__file__).resolve()]
     digest = hashlib.sha1()
     for f in files:
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
@@ -392,13 +394,22 @@ def _fastest(fn, device: torch.device, repeats: int = PROFILE_REPEATS) -> float:
     return best
 
 
+def profile_tokens(vocab_size: int, rows: int, length: int, seed: int) -> torch.Tensor:
+    """[rows, length] token ids to time steps with: a random 40-token phrase, repeated. Text is
+    mostly predictable, and a model continuing a repeat is sure of its next token as it is on
+    most real steps; on uniform random tokens its scores are flat, and the greedy head's exact
+    screen (models/screened_head.py) rescores thousands of near-ties, which real text rarely
+    costs."""
+    phrase = torch.randint(0, vocab_size, (rows, 40), generator=torch.Generator().manual_seed(seed))
+    return phrase.repeat(1, -(-length // 40))[:, :length]
+
+
 def _scratch(model: torch.nn.Module, rows: int, top: int):
-    """A cache holding PROFILE_CONTEXT random tokens per row, its last hidden states and the history."""
+    """A cache holding PROFILE_CONTEXT tokens per row, its last hidden states and the history."""
     dev = model.embed_tokens.weight.device
     ctx = min(PROFILE_CONTEXT, model.config.max_position_embeddings - top - 2)
     cache = model.new_cache(rows, ctx + top + 2)
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.config.vocab_size, (rows, ctx + top + 2), generator=gen).to(dev)
+    tokens = profile_tokens(model.config.vocab_size, rows, ctx + top + 2, seed=0).to(dev)
     hidden = model(tokens[:, :ctx], cache)[:, -1]
     return cache, hidden, tokens
 
@@ -408,8 +419,8 @@ def _time_target(model: torch.nn.Module, cache, widths: list[int]) -> dict[int, 
     dev, start = model.embed_tokens.weight.device, list(cache.host_lengths)
     out = {}
     for w in widths:
-        tokens = torch.randint(0, model.config.vocab_size, (cache.batch_size, w),
-                               generator=torch.Generator().manual_seed(w)).to(dev)
+        tokens = profile_tokens(model.config.vocab_size, cache.batch_size, max(start) + w, seed=0)
+        tokens = tokens[:, -w:].to(dev)  # the phrase's continuation: what a draft that is right would be
 
         def forward() -> None:
             cache.rollback(start)

@@ -33,9 +33,11 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
     total = sum(t.numel() * t.element_size() for i, t in tensors.items() if i != id(embed))
     total += sum(getattr(m, "packed_nbytes", 0) for m in model.modules())  # FBGEMM's fp16 copies (the screen's too)
     screened, packed_head = getattr(model, "screened_head", None), getattr(model, "packed_head", None)
-    if screened is not None:  # greedy steps read the fp16 screen, not a float32 head
+    if screened is not None:  # greedy steps read the screen, not a float32 head
         if packed_head is None and model.lm_head is not None:
             total -= model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+        if getattr(screened, "int8_codes", None) is not None and packed_head is not None:
+            total -= getattr(packed_head, "packed_nbytes", 0)  # an int8 copy of its own: sampling's fp16 copy unread
     elif packed_head is None and model.lm_head is None:
         total += embed.numel() * embed.element_size()  # tied head reads the table in full
     return total

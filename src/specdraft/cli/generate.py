@@ -39,7 +39,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "fp16: half of float32's bytes, float32 arithmetic (x86 CPUs, --dtype float32); "
                         "gguf: a GGUF model's own quantised blocks, multiplied as the float32 model's exact weights "
                         "(presets and .gguf files; x86 CPUs with AVX2, --dtype float32; builds a small C kernel once): "
-                        "faster plain decoding than fp16, slower wide verification; "
+                        "faster plain decoding than fp16, slower prompts and wide verification; "
                         "dtype: unquantised (with --dtype float32: the exactness reference)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: $SPECDRAFT_THREADS, else the physical cores); more threads than free cores makes "

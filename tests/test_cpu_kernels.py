@@ -148,3 +148,21 @@ def test_without_a_compiler_the_model_runs_on_pytorch_ops(gemma_tiny: TinyModel,
     finally:
         build.library.cache_clear()
         build.available.cache_clear()
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.float16, 640), (torch.float32, 640), (torch.float16, 20)])
+def test_candidate_scores_match_gather_and_matmul(dtype: torch.dtype, d: int) -> None:
+    """The MTP drafter's clustered head: vectors against gathered table rows (fp16 or float32)."""
+    from specdraft.drafters.mtp.head import score
+    from specdraft.models.kernels.score_rows import score_rows
+
+    gen = torch.Generator().manual_seed(d)
+    table = (torch.randn(5000, d, generator=gen) * 0.05).to(dtype)
+    vectors = torch.randn(3, d, generator=gen)
+    candidates = torch.randint(0, 5000, (3, 700), generator=gen)
+    ref = torch.bmm(F.embedding(candidates, table).float(), vectors[:, :, None]).squeeze(2)
+    got = score_rows(vectors, table, candidates)
+    assert_fp32_close(got, ref, depth=d)
+    assert torch.equal(score_rows(vectors[1:2], table, candidates[1:2]), got[1:2])  # rows independent
+    with torch.no_grad():
+        assert torch.equal(score(vectors, table, candidates), got)  # inference takes the kernel

@@ -13,6 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.models.kernels.build import applies as kernels_apply
+from specdraft.models.kernels.score_rows import score_rows
+
 
 class ClusteredHead(nn.Module):
     """Named `masked_embedding` in checkpoints (Gemma 4 assistant layout)."""
@@ -41,8 +44,11 @@ def score(vectors: torch.Tensor, table: torch.Tensor, candidates: torch.Tensor |
     Candidate rows are gathered `chunk` vectors at a time: evaluation scores thousands of
     anchors at once, and M = 4096 rows of d = 640 per vector would otherwise be gigabytes.
     A table stored narrower than the vectors (the target's fp16 table under --weights fp16) is
-    widened row block by row block, exactly.
+    widened row block by row block, exactly. Eager float32 CPU drafting takes a C kernel
+    (models/kernels/score_rows.c) that dots each candidate row in place.
     """
+    if candidates is not None and kernels_apply(vectors) and table.dtype in (torch.float16, torch.float32):
+        return score_rows(vectors, table, candidates)  # one pass over the rows, no gathered copy
     if candidates is None:
         blocks = table.split(16384) if table.dtype != vectors.dtype else (table,)
         return torch.cat([F.linear(vectors, rows.to(vectors.dtype)) for rows in blocks], -1).float()

@@ -17,7 +17,7 @@ from specdraft.errors import SpecdraftError
 
 SOURCES = sorted(Path(__file__).resolve().parent.glob("*.c"))
 # No FMA contraction: block_gemv.c rebuilds w = s*c - o with llama.cpp's two roundings.
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 
 _PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # name: argument types (every kernel returns nothing)
@@ -27,6 +27,7 @@ SIGNATURES = {  # name: argument types (every kernel returns nothing)
                    + [_I64] * 6 + [_FLOAT, _FLOAT, _PTR, _INT],
     "q8_quantize_rows": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
     "q8_gemv": [_PTR] * 5 + [_I64] * 3 + [_INT],
+    "score_rows": [_PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "rms_norm_rows": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT],
 }
 

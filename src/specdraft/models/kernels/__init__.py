@@ -2,10 +2,12 @@
 
 A decode or verify step on a CPU runs ~1,000 small ops; eager PyTorch spends tens of
 microseconds on each (dispatch, allocation, a thread-pool wake-up), which on a 2-core machine
-is as much time as the weights take to read. These kernels do the step's small pieces in one
-call each: the GGUF block matmul (block_gemv.c), attention for a few queries over the cache
-(attention.c) and RMSNorm (rms_norm.c). Each computes every row in one fixed order, so a row's
-result never depends on the rows beside it (speculative output equals plain output).
+is as much time as the weights take to read. These kernels do the step's pieces in one call
+each: the GGUF block matmul (block_gemv.c), attention for a few queries over the cache
+(attention.c), RMSNorm (rms_norm.c), the greedy head's int8 screen (int8_screen.c) and the MTP
+drafter's candidate scores (score_rows.c); simd.h holds what they share. Each computes every
+row in one fixed order, so a row's result never depends on the rows beside it (speculative
+output equals plain output).
 
 `build.library()` compiles every .c file here into one shared library in the cache folder
 (once per source, compiler and flags) and loads it with ctypes.

@@ -13,29 +13,9 @@
  * Eager PyTorch spends ~0.4 ms a layer on this for one query over 640 keys (two matmuls that
  * each wake the thread pool, a mask fill, a softmax, casts); here it is a few tens of us.
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-    return _mm_cvtss_f32(s);
-}
-
-static float dot(const float *a, const float *b, int64_t n) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-    }
-    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    float s = hsum8(_mm256_add_ps(acc0, acc1));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
+#include "simd.h"
 
 /* out[0..D) = sum_j w[j] v_j over the visible keys, in chunks of 64 outputs (8 registers). */
 static void weighted_sum(const float *w, const uint8_t *visible, const float *v, int64_t S, int64_t D, float *out) {
@@ -64,7 +44,7 @@ static void attend_one(const float *q, const float *k, const float *v, const uin
     float top = -INFINITY;
     for (int64_t j = 0; j < S; j++) {
         if (visible && !visible[j]) continue;
-        float x = dot(q, k + j * D, D) * scale;
+        float x = dot_f32(q, k + j * D, D) * scale;
         if (softcap > 0.0f) x = tanhf(x / softcap) * softcap;
         s[j] = x;
         if (x > top) top = x;

@@ -15,7 +15,9 @@ import torch
 from specdraft.cache_dir import cache_root
 from specdraft.errors import SpecdraftError
 
-SOURCES = sorted(Path(__file__).resolve().parent.glob("*.c"))
+HERE = Path(__file__).resolve().parent
+SOURCES = sorted(HERE.glob("*.c"))
+HEADERS = sorted(HERE.glob("*.h"))
 # No FMA contraction: block_gemv.c rebuilds w = s*c - o with llama.cpp's two roundings.
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 
@@ -46,7 +48,7 @@ def library() -> ctypes.CDLL:
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise KernelUnavailable("the C kernels need an x86 CPU with AVX2 and FMA")
     digest = hashlib.sha256(" ".join([_compiler(), *FLAGS]).encode())
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         digest.update(source.name.encode() + source.read_bytes())
     target = cache_root() / "kernels" / f"specdraft-{digest.hexdigest()[:16]}.so"
     if not target.exists():

@@ -13,9 +13,9 @@
  *
  * Every (token, row) pair is summed in one fixed order whatever the number of rows M.
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
+
+#include "simd.h"
 
 #define GROUP 32
 #define ROW_BLOCK 4 /* rows that share one read of a table row: 4 measured faster than 8 (registers) */
@@ -46,13 +46,6 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *t,
         residual[m] = sqrt(rr);
         quantised[m] = sqrt(qq);
     }
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-    return _mm_cvtss_f32(s);
 }
 
 /* One table row n against MB rows from m0: per group, 32 byte products summed to 8 int32 lanes

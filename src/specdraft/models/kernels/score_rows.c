@@ -5,15 +5,7 @@
  * batched matmul (~4 ms a draft step on a 2-core AVX2 CPU); here each row is read once, widened
  * in registers (F16C) and dotted in place. Each score is summed in one fixed order.
  */
-#include <immintrin.h>
-#include <stdint.h>
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-    return _mm_cvtss_f32(s);
-}
+#include "simd.h"
 
 static float dot_f16(const float *x, const uint16_t *w, int64_t d) {
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -27,19 +19,6 @@ static float dot_f16(const float *x, const uint16_t *w, int64_t d) {
         acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + i))), acc0);
     float s = hsum8(_mm256_add_ps(acc0, acc1));
     for (; i < d; i++) s += x[i] * _cvtsh_ss(w[i]);
-    return s;
-}
-
-static float dot_f32(const float *x, const float *w, int64_t d) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 16 <= d; i += 16) {
-        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i + 8), _mm256_loadu_ps(w + i + 8), acc1);
-    }
-    for (; i + 8 <= d; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(w + i), acc0);
-    float s = hsum8(_mm256_add_ps(acc0, acc1));
-    for (; i < d; i++) s += x[i] * w[i];
     return s;
 }
 

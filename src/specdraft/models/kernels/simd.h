@@ -1,0 +1,30 @@
+/* Vector helpers shared by the kernels: a fixed-order horizontal sum and a float32 dot product. */
+#ifndef SPECDRAFT_SIMD_H
+#define SPECDRAFT_SIMD_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+/* Lanes (0+4, 1+5, 2+6, 3+7), then the pair 2 away, then the next: one order, always. */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
+    return _mm_cvtss_f32(s);
+}
+
+/* a . b over n floats: two 8-lane accumulators (even and odd 8-float chunks), then the tail. */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    float s = hsum8(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+#endif

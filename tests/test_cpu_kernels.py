@@ -1,4 +1,5 @@
-"""The C kernels of the eager CPU step (models/kernels): attention over the cache and RMSNorm.
+"""The C kernels of the eager CPU step (models/kernels): attention over the cache, RMSNorm, the
+q/k norm + RoPE + cache write, and the gated MLP's activation.
 
 Each must (1) compute what PyTorch's ops compute, within float32 rounding of its sums, and (2)
 give every row the same bits whatever rows share the call: that is what keeps speculative
@@ -16,8 +17,12 @@ from conftest import TinyModel, assert_fp32_close, prompts_of, reduction_depth
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.models.kernels import build
 from specdraft.models.kernels.attention import attend_short
-from specdraft.models.kernels.rms_norm import rms_norm
-from specdraft.models.layers import RMSNorm, _attend_short
+from specdraft.models.kernels.gated_act import gated_act
+from specdraft.models.kernels.qk_rope import qk_rope_write
+from specdraft.models.kernels.rms_norm import residual_norms, rms_norm
+from specdraft.models.layers import ACTIVATIONS, RMSNorm, _attend_short
+from specdraft.models.rope import RopeTable, apply_rope
+from specdraft.config import RopeParams
 from specdraft.speculative.engine import Engine
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="no AVX2 CPU or no C compiler here")
@@ -84,6 +89,68 @@ def test_rms_norm_matches_pytorch_and_is_row_invariant(weighted: bool, residual:
     ref = ref if res is None else res + ref
     assert_fp32_close(got, ref, depth=640)
     assert torch.equal(rms_norm(x[1:2, 2:3], w, 1e-6, None if res is None else res[1:2, 2:3]), got[1:2, 2:3])
+
+
+@pytest.mark.parametrize("sandwich", [True, False])
+def test_residual_norms_match_two_norms(sandwich: bool) -> None:
+    gen = torch.Generator().manual_seed(4)
+    a, x = torch.randn(2, 3, 640, generator=gen) * 3, torch.randn(2, 3, 640, generator=gen) * 10
+    w1, w2 = torch.randn(640, generator=gen), torch.randn(640, generator=gen)
+    x_out, h = residual_norms(a, sandwich, w1 if sandwich else None, x, w2, 1e-6)
+    ref_x = x + F.rms_norm(a, (640,), w1, 1e-6) if sandwich else x + a
+    assert_fp32_close(x_out, ref_x, depth=640)
+    assert_fp32_close(h, F.rms_norm(ref_x, (640,), w2, 1e-6), depth=2 * 640)
+    one_x, one_h = residual_norms(a[1:, 2:], sandwich, w1 if sandwich else None, x[1:, 2:], w2, 1e-6)
+    assert torch.equal(one_x, x_out[1:, 2:]) and torch.equal(one_h, h[1:, 2:])
+
+
+@pytest.mark.parametrize("qk_norm,d", [(True, 256), (False, 64), (True, 12)])
+def test_qk_rope_write_matches_norm_rope_and_cache_write(qk_norm: bool, d: int) -> None:
+    """Rows of different lengths (a ragged batch): queries out, keys and values at each row's positions."""
+    b, t, h, hkv, capacity = 2, 3, 4, 2, 40
+    gen = torch.Generator().manual_seed(d)
+    qkv = torch.randn(b, t, (h + 2 * hkv) * d, generator=gen) * 2
+    q_scale, k_scale = (torch.randn(d, generator=gen), torch.randn(d, generator=gen)) if qk_norm else (None, None)
+    positions = torch.tensor([[5, 6, 7], [30, 31, 32]])
+    table = RopeTable(RopeParams(theta=10000.0), d, 64)
+    table.ensure(capacity, torch.device("cpu"))
+    cos, sin = table.lookup(positions, torch.float32)  # [B, 1, T, D]
+    k_cache, v_cache = torch.zeros(b, hkv, capacity, d), torch.zeros(b, hkv, capacity, d)
+    q = qk_rope_write(qkv, h, hkv, d, q_scale, k_scale, 1e-6, cos, sin, positions, k_cache, v_cache)
+
+    ref_q, ref_k, ref_v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
+    ref_q, ref_k = ref_q.view(b, t, h, d).transpose(1, 2), ref_k.view(b, t, hkv, d).transpose(1, 2)
+    if qk_norm:
+        ref_q, ref_k = F.rms_norm(ref_q, (d,), q_scale, 1e-6), F.rms_norm(ref_k, (d,), k_scale, 1e-6)
+    ref_q, ref_k = apply_rope(ref_q, cos, sin), apply_rope(ref_k, cos, sin)
+    assert_fp32_close(q, ref_q.transpose(1, 2), depth=2 * d)
+    for row in range(b):
+        at = positions[row]
+        assert_fp32_close(k_cache[row][:, at], ref_k[row], depth=2 * d)
+        assert torch.equal(v_cache[row][:, at], ref_v[row].view(t, hkv, d).transpose(0, 1))
+    untouched = torch.ones(capacity, dtype=torch.bool)
+    untouched[positions[0]] = False
+    assert (k_cache[0][:, untouched] == 0).all()  # nothing else written
+    one = qk_rope_write(qkv[1:, 1:2], h, hkv, d, q_scale, k_scale, 1e-6, cos[1:, :, 1:2], sin[1:, :, 1:2],
+                        positions[1:, 1:2], k_cache[1:].clone(), v_cache[1:].clone())
+    assert torch.equal(one, q[1:, 1:2])  # a query alone gets the bits it gets among the others
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu_pytorch_tanh"])
+def test_gated_act_matches_pytorch(kind: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    i = 2048 + 5  # a tail off the 8-wide vectors
+    gate = torch.cat([torch.randn(3, i - 6, generator=gen) * 4, torch.tensor([[-90.0, -30.0, -1e-20, 0.0, 30.0, 90.0]] * 3)], dim=1)
+    up = torch.randn(3, i, generator=gen)
+    got = gated_act(torch.cat([gate, up], dim=-1), kind)
+    g = gate.double()
+    z = g if kind == "silu" else 2 * (2 / torch.pi) ** 0.5 * (g + 0.044715 * g**3)  # act(x) = x sigmoid(z)
+    ref = g * torch.sigmoid(z) * up.double()  # (in float64 the tanh form rounds to 0 where the value is tiny)
+    # exp to ~1 ulp, a division, products: a few roundings of each element's own size; and z itself is
+    # rounded in float32, which moves log sigmoid(z) by up to |z| x that rounding (its slope is <= 1)
+    assert ((got.double() - ref).abs() <= (8 + 4 * z.abs()) * 2.0**-24 * ref.abs() + 1e-30).all()
+    assert_fp32_close(got, ACTIVATIONS[kind](gate) * up, depth=8)  # PyTorch's float32 ops agree
+    assert torch.equal(gated_act(torch.cat([gate[1:2], up[1:2]], dim=-1), kind), got[1:2])
 
 
 def test_rms_norm_module_takes_the_kernel_only_without_autograd() -> None:

@@ -13,7 +13,10 @@ import torch
 from torch import nn
 
 from specdraft.config import SLIDING, ModelConfig
-from specdraft.kv_cache import AttentionSpan, KVCache
+from specdraft.kv_cache import SHORT_FORWARD, AttentionSpan, KVCache
+from specdraft.models.kernels.build import applies as kernels_apply
+from specdraft.models.kernels.qk_rope import MAX_HEAD_DIM, qk_rope_write
+from specdraft.models.kernels.rms_norm import residual_norms
 from specdraft.models.layers import GatedMLP, RMSNorm, attend, stack_linears
 from specdraft.models.rope import RopeTable, apply_rope
 from specdraft.models.target import AttentionLayout, CachedDecoder
@@ -60,6 +63,8 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache, slot: int, span: AttentionSpan
     ) -> torch.Tensor:
         b, t, _ = x.shape
+        if self._native(x, cache, slot):
+            return self._forward_native(x, cos, sin, cache, slot, span)
         q, k, v = self.project(x)
         q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -71,6 +76,33 @@ class Attention(nn.Module):
         keys = cache.k[slot][:, :, span.lo : span.hi]
         values = cache.v[slot][:, :, span.lo : span.hi]
         out = attend(q, keys, values, span.mask, self.scale, self.softcap)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _native(self, x: torch.Tensor, cache: KVCache, slot: int) -> bool:
+        """Whether this forward takes the C kernels: a short float32 CPU forward (decode, verify,
+        drafting) over a KVCache laid out as they read it."""
+        if x.shape[1] > SHORT_FORWARD or not isinstance(cache, KVCache) or not kernels_apply(x):
+            return False
+        k = cache.k[slot]
+        norms_ok = self.q_norm is None or (self.q_norm.weight is not None and self.q_norm.native_ready()
+                                          and self.k_norm.weight is not None and self.k_norm.native_ready())
+        return (k.dtype == torch.float32 and k.stride(-1) == 1 and k.stride(-2) == self.head_dim
+                and self.head_dim <= MAX_HEAD_DIM and norms_ok)
+
+    def _forward_native(self, x, cos, sin, cache: KVCache, slot: int, span: AttentionSpan) -> torch.Tensor:
+        """forward() in three C calls around the two projections: q/k norms, RoPE and the cache
+        write (qk_rope.c); attention (attention.c)."""
+        b, t, _ = x.shape
+        qkv = self.qkv_proj(x) if self.qkv_proj is not None else torch.cat(self.project(x), dim=-1)
+        q_scale = k_scale = None
+        if self.q_norm is not None:
+            q_scale, k_scale = self.q_norm.native_scale(), self.k_norm.native_scale()
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        q = qk_rope_write(qkv, self.num_heads, self.num_kv_heads, self.head_dim, q_scale, k_scale, eps, cos, sin,
+                          cache.positions, cache.k[slot], cache.v[slot])
+        keys = cache.k[slot][:, :, span.lo : span.hi]
+        values = cache.v[slot][:, :, span.lo : span.hi]
+        out = attend(q.transpose(1, 2), keys, values, span.mask, self.scale, self.softcap)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -88,11 +120,25 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
 
     def forward(self, x, cos, sin, cache, slot, span):
+        if self._native(x):  # the two norms between attention and MLP in one C call
+            a = self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span)
+            first = self.post_attention_layernorm if self.sandwich else None
+            second = self.pre_feedforward_layernorm if self.sandwich else self.post_attention_layernorm
+            x, h = residual_norms(a, first is not None, None if first is None else first.native_scale(), x,
+                                  second.native_scale(), second.eps)
+            m = self.mlp(h)
+            return self.post_feedforward_layernorm(m, x) if self.sandwich else x + m
         if self.sandwich:
             x = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span), x)
             return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)), x)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+    def _native(self, x: torch.Tensor) -> bool:
+        norms = [self.post_attention_layernorm] + ([self.pre_feedforward_layernorm] if self.sandwich else [])
+        return (x.shape[1] <= SHORT_FORWARD and kernels_apply(x) and all(n.native_ready() for n in norms)
+                and (not self.sandwich or self.post_attention_layernorm.eps == self.pre_feedforward_layernorm.eps))
 
 
 class Transformer(CachedDecoder):

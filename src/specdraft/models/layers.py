@@ -10,6 +10,9 @@ from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models.block_linear import stack_blocks
 from specdraft.models.kernels.attention import attend_short as native_attend_short
 from specdraft.models.kernels.build import applies as kernels_apply
+from specdraft.models.kernels.gated_act import KINDS as NATIVE_ACTIVATIONS
+from specdraft.models.kernels.gated_act import gated_act as native_gated_act
+from specdraft.models.kernels.rms_norm import residual_norms as native_residual_norms
 from specdraft.models.kernels.rms_norm import rms_norm as native_rms_norm
 
 
@@ -26,12 +29,18 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """norm(x), or residual + norm(x) (one call where the C kernel serves: eager float32 CPU steps)."""
-        if kernels_apply(x) and (residual is None or residual.dtype == torch.float32):
-            scale = None if self.weight is None else self._offset_scale() if self.offset else self.weight
-            if scale is None or scale.dtype == torch.float32:
-                return native_rms_norm(x, scale, self.eps, residual)
+        if kernels_apply(x) and (residual is None or residual.dtype == torch.float32) and self.native_ready():
+            return native_rms_norm(x, self.native_scale(), self.eps, residual)
         y = self._reference(x)
         return y if residual is None else residual + y
+
+    def native_ready(self) -> bool:
+        """Whether the C kernels can apply this norm (a float32 scale, or none)."""
+        return self.weight is None or self.weight.dtype == torch.float32
+
+    def native_scale(self) -> torch.Tensor | None:
+        """What the C kernels multiply by: 1 + w (offset norms), w, or None (no scale)."""
+        return None if self.weight is None else self._offset_scale() if self.offset else self.weight
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         # F.rms_norm computes x * rsqrt(mean(x^2) + eps) (* scale) as the references write it, in
@@ -82,7 +91,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.up_proj = nn.Linear(hidden, intermediate, bias=bias)
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
-        self.act = activation(act)
+        self.act, self.act_name = activation(act), act
 
         self.gate_up_proj: nn.Linear | None = None  # set by fuse_projections
 
@@ -96,7 +105,10 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.act_name in NATIVE_ACTIVATIONS and kernels_apply(gate_up):
+            return self.down_proj(native_gated_act(gate_up, self.act_name))  # one C call for act, chunk and product
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 

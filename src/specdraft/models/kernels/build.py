@@ -31,6 +31,9 @@ SIGNATURES = {  # name: argument types (every kernel returns nothing)
     "q8_gemv": [_PTR] * 5 + [_I64] * 3 + [_INT],
     "score_rows": [_PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "rms_norm_rows": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT],
+    "residual_norms": [_PTR, _INT] + [_PTR] * 5 + [_I64, _I64, _FLOAT, _INT],
+    "qk_rope_write": [_PTR] + [_I64] * 5 + [_PTR, _PTR, _FLOAT] + [_PTR] * 5 + [_I64, _I64, _PTR, _I64, _I64, _INT],
+    "gated_act": [_PTR, _I64, _I64, _INT, _PTR, _INT],
 }
 
 

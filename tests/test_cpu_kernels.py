@@ -15,7 +15,11 @@ import torch.nn.functional as F
 
 from conftest import TinyModel, assert_fp32_close, prompts_of, reduction_depth
 from specdraft.drafters.ngram import NgramDrafter
+from specdraft.loading import load_folder
+from specdraft.models import decoder
 from specdraft.models.kernels import build
+from specdraft.models.kernels.decoder_layer import decoder_layer
+from specdraft.models.quant import compact_weights
 from specdraft.models.kernels.attention import attend_short
 from specdraft.models.kernels.gated_act import gated_act
 from specdraft.models.kernels.qk_rope import qk_rope_write
@@ -187,6 +191,28 @@ def test_model_with_kernels_matches_pytorch_ops(family: str, gemma_tiny: TinyMod
     ref, ref_tokens = _decode_logits(tiny.ours, prompt, 20)
     assert_fp32_close(got, ref, reduction_depth(tiny.cfg))
     assert got_tokens == ref_tokens
+
+
+@pytest.mark.parametrize("family", ["gemma", "llama"])
+def test_one_call_layer_gives_the_bits_of_the_per_op_kernels(family: str, gemma_tiny: TinyModel,
+                                                             llama_tiny: TinyModel, monkeypatch) -> None:
+    """--weights fp16: decoder_layer.c strings together the same kernels as the per-op path, so a
+    decode (prefill, then one-token steps across the tiny Gemma's sliding window) gets the same bits."""
+    tiny = gemma_tiny if family == "gemma" else llama_tiny
+    model, _, _ = load_folder(tiny.folder, torch.float32, "cpu")
+    compact_weights(model, "fp16")
+    assert all(layer._fusable() for layer in model.layers)
+    prompt = prompts_of([20], tiny.cfg.vocab_size, seed=6)[0]  # longer than a short forward: the per-op path
+    calls = []
+    monkeypatch.setattr(decoder, "decoder_layer", lambda *a: calls.append(1) or decoder_layer(*a))
+    got, got_tokens = _decode_logits(model, prompt, 14)
+    assert len(calls) == 14 * tiny.cfg.num_layers  # every step, every layer (the prefill takes the per-op path)
+    monkeypatch.setattr(decoder.DecoderLayer, "_fusable", lambda self: False)
+    for layer in model.layers:
+        layer._fused = None
+    ref, ref_tokens = _decode_logits(model, prompt, 14)
+    assert len(calls) == 14 * tiny.cfg.num_layers
+    assert torch.equal(got, ref) and got_tokens == ref_tokens
 
 
 def test_pytorch_reference_path_keeps_speculative_equal_to_plain(gemma_tiny: TinyModel, monkeypatch) -> None:

@@ -1,6 +1,6 @@
-"""fp16 weights on FBGEMM (`--weights fp16`) and the screened greedy head: bounded error, rows
-that do not depend on their neighbours, speculative output equal to plain output, and a greedy
-head whose screen never changes the argmax."""
+"""fp16 weights (`--weights fp16`: the C kernel's tiles, FBGEMM where it does not build) and the
+screened greedy head: bounded error, rows that do not depend on their neighbours, speculative
+output equal to plain output, and a greedy head whose screen never changes the argmax."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from conftest import TinyModel
 from specdraft.device import fp16_kernel_available
 from specdraft.loading import load_folder
 from specdraft.models.fp16_kernel import PROBE_ROWS, fp16_mm, prepack_fp16, row_invariant
+from specdraft.models.kernels import build as kernels
 from specdraft.models.quant import Fp16Linear, compact_weights
 from specdraft.models.screened_head import ScreenedHead, screen_head
 from specdraft.speculative.engine import Engine
@@ -36,6 +37,26 @@ def test_fp16_linear_is_the_float32_product_of_the_fp16_weights() -> None:
     for rows in (1, 2, 5):
         assert ((layer(x[:rows]).double() - exact[:rows]).abs() <= bound[:rows]).all()
     assert layer(x[None, :3]).shape == (1, 3, 300)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no AVX2 CPU or no C compiler here")
+def test_fp16_kernel_rows_do_not_depend_on_the_number_of_rows(monkeypatch) -> None:
+    """The tiled kernel: every row summed in one order whatever M (3-, 2- and 1-row tiles, and the
+    24-row panels a prompt is cut into), outputs off a whole tile (301), the bias; within the
+    float32 bound of the exact product; and with SPECDRAFT_KERNELS=0 FBGEMM on the same fp16 weights."""
+    w, b, x = rand(301, 640, seed=2, scale=0.05), rand(301, seed=3), rand(60, 640, seed=4)
+    layer = Fp16Linear(w, b)
+    assert layer.tiles is not None
+    one_by_one = torch.cat([layer(x[i : i + 1]) for i in range(60)])
+    for m in range(1, 61):
+        assert torch.equal(layer(x[:m]), one_by_one[:m]), m
+    assert torch.equal(layer(x[None])[0], one_by_one)  # 60 tokens of one row: a prompt
+    exact = x.double() @ w.half().double().t() + b.double()
+    k = w.shape[1]
+    bound = k * U / (1 - k * U) * (x.double().abs() @ w.half().double().abs().t()) + 2 * U * exact.abs()
+    assert ((one_by_one.double() - exact).abs() <= bound).all()
+    monkeypatch.setenv("SPECDRAFT_KERNELS", "0")
+    assert ((layer(x[:3]).double() - exact[:3]).abs() <= bound[:3]).all()
 
 
 def test_padded_rows_do_not_depend_on_the_number_of_rows() -> None:

@@ -37,7 +37,9 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
         if packed_head is None and model.lm_head is not None:
             total -= model.lm_head.weight.numel() * model.lm_head.weight.element_size()
         if getattr(screened, "int8_codes", None) is not None and packed_head is not None:
-            total -= getattr(packed_head, "packed_nbytes", 0)  # an int8 copy of its own: sampling's fp16 copy unread
+            # an int8 copy of its own: sampling's fp16 copy (FBGEMM's, or the kernel's tiles) is unread
+            total -= getattr(packed_head, "packed_nbytes", 0) + sum(b.numel() * b.element_size()
+                                                                   for b in packed_head.buffers())
     elif packed_head is None and model.lm_head is None:
         total += embed.numel() * embed.element_size()  # tied head reads the table in full
     return total

@@ -15,9 +15,12 @@ from torch import nn
 from specdraft.config import SLIDING, ModelConfig
 from specdraft.kv_cache import SHORT_FORWARD, AttentionSpan, KVCache
 from specdraft.models.kernels.build import applies as kernels_apply
+from specdraft.models.kernels.decoder_layer import LayerWeights, decoder_layer, pointer
+from specdraft.models.kernels.gated_act import KINDS as NATIVE_ACTIVATIONS
 from specdraft.models.kernels.qk_rope import MAX_HEAD_DIM, qk_rope_write
 from specdraft.models.kernels.rms_norm import residual_norms
 from specdraft.models.layers import GatedMLP, RMSNorm, attend, stack_linears
+from specdraft.models.quant import Fp16Linear
 from specdraft.models.rope import RopeTable, apply_rope
 from specdraft.models.target import AttentionLayout, CachedDecoder
 
@@ -118,8 +121,13 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps, offset)
+        self._fused = None  # (key, LayerWeights or None, what it points into): see _fused_weights
 
     def forward(self, x, cos, sin, cache, slot, span):
+        weights = self._fused_weights(x, cache, slot)
+        if weights is not None:  # the whole layer in one C call (kernels/decoder_layer.c)
+            return decoder_layer(weights, x, cos, sin, cache.positions, cache.k[slot], cache.v[slot], span.lo,
+                                 span.hi, span.mask)
         if self._native(x):  # the two norms between attention and MLP in one C call
             a = self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span)
             first = self.post_attention_layernorm if self.sandwich else None
@@ -134,6 +142,63 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+
+    def _norms(self) -> list[RMSNorm]:
+        extra = [self.pre_feedforward_layernorm, self.post_feedforward_layernorm] if self.sandwich else []
+        return [self.input_layernorm, self.post_attention_layernorm] + extra
+
+    def _fused_weights(self, x: torch.Tensor, cache, slot: int) -> LayerWeights | None:
+        """The layer's weights for decoder_layer.c when this forward can take it: a short float32
+        CPU forward over a KVCache, every projection holding fp16_gemv tiles. Built once and kept
+        until a projection is replaced or a norm's weight changes (a decode step makes 18 calls)."""
+        if x.shape[1] > SHORT_FORWARD or not isinstance(cache, KVCache) or not kernels_apply(x):
+            return None
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = self._norms() + ([attn.q_norm, attn.k_norm] if attn.q_norm is not None else [])
+        tiles = [getattr(m, "tiles", None) for m in linears]  # `to()` or loading may replace them
+        key = tuple(map(id, linears + tuple(tiles))) + tuple(-1 if n.weight is None else n.weight._version
+                                                           for n in norms)
+        if self._fused is None or self._fused[0] != key:  # what it points into stays referenced with it
+            self._fused = (key, self._layer_weights() if self._fusable() else None, linears, tiles, norms)
+        weights = self._fused[1]
+        if weights is None:
+            return None
+        k, v = cache.k[slot], cache.v[slot]
+        ok = (k.dtype == torch.float32 and k.stride(-1) == 1 and k.stride(-2) == attn.head_dim
+              and v.stride() == k.stride() and v.dtype == torch.float32)
+        return weights if ok else None
+
+    def _fusable(self) -> bool:
+        """Whether decoder_layer.c computes this layer: fp16_gemv tiles everywhere, an activation,
+        norms and q/k norms (with scales) that its kernels take, one eps for the layer's norms."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = self._norms()
+        qk_ok = attn.q_norm is None or all(n.weight is not None and n.native_ready() for n in (attn.q_norm, attn.k_norm))
+        return (all(type(m) is Fp16Linear and m.tiles is not None for m in linears) and qk_ok
+                and mlp.act_name in NATIVE_ACTIVATIONS and all(n.native_ready() for n in norms)
+                and len({n.eps for n in norms}) == 1 and attn.head_dim <= MAX_HEAD_DIM)
+
+    def _layer_weights(self) -> LayerWeights:
+        attn, mlp, sandwich = self.self_attn, self.mlp, self.sandwich
+        q_norm = attn.q_norm
+        pre_mlp = self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm
+        return LayerWeights(
+            hidden=attn.o_proj.out_features, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim, inter=mlp.down_proj.in_features, sandwich=int(sandwich),
+            act=NATIVE_ACTIVATIONS[mlp.act_name], eps=self.input_layernorm.eps,
+            qk_eps=q_norm.eps if q_norm is not None else 0.0, scale=attn.scale, softcap=attn.softcap or 0.0,
+            norm_in=pointer(self.input_layernorm.native_scale()),
+            norm_post_attn=pointer(self.post_attention_layernorm.native_scale()) if sandwich else None,
+            norm_pre_mlp=pointer(pre_mlp.native_scale()),
+            norm_post_mlp=pointer(self.post_feedforward_layernorm.native_scale()) if sandwich else None,
+            q_norm=pointer(q_norm.native_scale()) if q_norm is not None else None,
+            k_norm=pointer(attn.k_norm.native_scale()) if q_norm is not None else None,
+            qkv=attn.qkv_proj.tiles.data_ptr(), o=attn.o_proj.tiles.data_ptr(),
+            gate_up=mlp.gate_up_proj.tiles.data_ptr(), down=mlp.down_proj.tiles.data_ptr(),
+            qkv_bias=pointer(attn.qkv_proj.bias), o_bias=pointer(attn.o_proj.bias),
+            gate_up_bias=pointer(mlp.gate_up_proj.bias), down_bias=pointer(mlp.down_proj.bias))
 
     def _native(self, x: torch.Tensor) -> bool:
         norms = [self.post_attention_layernorm] + ([self.pre_feedforward_layernorm] if self.sandwich else [])

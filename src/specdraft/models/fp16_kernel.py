@@ -96,7 +96,7 @@ _NEXT = itertools.count()
 
 
 def register(layer) -> int:
-    """A handle for `layer` (anything with `packed_fp16`) that compiled graphs can carry."""
+    """A handle for `layer` (anything with `matmul(rows)`) that compiled graphs can carry."""
     handle = next(_NEXT)
     _LAYERS[handle] = layer
     return handle
@@ -104,8 +104,8 @@ def register(layer) -> int:
 
 @torch.library.custom_op("specdraft::fp16_linear", mutates_args=())
 def fp16_linear(rows: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
-    """fp16_mm with the registered layer's weights, as one op a compiled graph calls out to."""
-    return fp16_mm(rows, _LAYERS[handle].packed_fp16)
+    """The registered layer's `matmul` (no bias), as one op a compiled graph calls out to."""
+    return _LAYERS[handle].matmul(rows)
 
 
 @fp16_linear.register_fake

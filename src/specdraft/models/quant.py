@@ -5,13 +5,14 @@ LM head of Gemma 3 270M alone is 335 MB in bf16. Three weight-only formats:
 
 - int8: one scale per output row; `aten._weight_int8pack_mm` (bf16 or float32 activations).
 - int4: asymmetric, one scale and one offset per group of 32 inputs; `aten._weight_int4pack_mm_for_cpu`.
-- fp16: weights rounded to fp16, float32 activations and sums; FBGEMM (models/fp16_kernel.py).
-  For CPUs without bf16 units, where the int8/int4 kernels are compute-bound.
+- fp16: weights rounded to fp16, float32 activations and sums; a C kernel over a tiled copy
+  (models/kernels/fp16_gemv.c), FBGEMM where it does not build (models/fp16_kernel.py). For
+  CPUs without bf16 units, where the int8/int4 kernels are compute-bound.
 - gguf: the GGUF file's own quantised blocks, multiplied as the float32 model's exact weights
   (models/block_linear.py); float32 activations. Only for models converted from a GGUF.
 
 The int8 and int4 kernels compute every output row on its own with a fixed reduction order
-(fp16 gets there by padding its calls, see fp16_kernel.py), so a row's
+(fp16: by construction in the C kernel, by padding FBGEMM's calls in fp16_kernel.py), so a row's
 result does not depend on how many rows are computed together (checked by tests). That is what
 makes a K+1-row verification give the same bits as K+1 one-row steps, i.e. speculative output
 equal to plain output in the default configuration, which bf16 `F.linear` does not guarantee
@@ -28,6 +29,8 @@ from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models import block_linear, int8_head
 from specdraft.models.block_linear import Blocks
 from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16, register
+from specdraft.models.kernels import build as kernels
+from specdraft.models.kernels import fp16_gemv
 
 WEIGHT_FORMATS = ("dtype", "int8", "int4", "fp16", "gguf")  # dtype: weights stay in the model's dtype
 INT4_GROUP = 32
@@ -141,23 +144,45 @@ class Int4Linear(PackedLinear):
 
 
 class Fp16Linear(nn.Module):
-    """y = x W^T + b with W in fp16 on FBGEMM (float32 in and out), padded for row invariance.
-    The packed copy is the only one kept: `packed_nbytes` counts it (it is not a tensor)."""
+    """y = x W^T + b with W in fp16, float32 in and out.
+
+    Where the C kernels build (x86 with AVX2, a C compiler), W is kept as the tiles of
+    kernels/fp16_gemv.c, whose kernel is row-invariant by construction; for prompts it is within
+    10-40% of FBGEMM's GEMM here, and widening W for a float32 GEMM cost more than that (measured,
+    BENCHMARKS.md). Elsewhere W is FBGEMM's packed copy
+    (models/fp16_kernel.py, padded for row invariance); `packed_nbytes` counts that copy, which is
+    not a tensor. Either way the weights are W rounded to fp16 and the sums are float32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.packed_fp16 = prepack_fp16(weight)
-        self.packed_nbytes = weight.numel() * 2
+        self.packed_fp16 = None
+        if kernels.available() and fp16_gemv.takes(weight):
+            self.register_buffer("tiles", fp16_gemv.pack_tiles(weight))
+        else:
+            self.tiles = None
+            self.packed_fp16 = prepack_fp16(weight)
+            self.packed_nbytes = weight.numel() * 2
         self.handle = register(self)  # how a compiled step names these weights
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, K] float32 -> rows W^T [M, N] float32 (no bias); a row's bits do not depend on M."""
+        if self.tiles is not None and kernels.enabled():
+            return fp16_gemv.fp16_matmul(rows, self.tiles, self.out_features)
+        if self.packed_fp16 is None:  # SPECDRAFT_KERNELS=0: PyTorch's own kernel, on a copy made once
+            self.packed_fp16 = prepack_fp16(fp16_gemv.unpack_rows(self.tiles, 0, self.out_features))
+        return fp16_mm(rows, self.packed_fp16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if torch.compiler.is_compiling():
             y = torch.ops.specdraft.fp16_linear(rows, self.handle, self.out_features)
+        elif self.tiles is not None and kernels.enabled():
+            y = fp16_gemv.fp16_matmul(rows, self.tiles, self.out_features, self.bias)
+            return y.view(*x.shape[:-1], self.out_features)
         else:
-            y = fp16_mm(rows, self.packed_fp16)
+            y = self.matmul(rows)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -2,12 +2,12 @@
 
 Greedy decoding needs only the argmax of each row's V scores, not the scores. A float32 head
 (262144 x 640 for Gemma 3: 671 MB) is read once per step, and on a CPU without bf16 units it is
-the largest single cost of a step; its fp16 copy reads in a quarter of the time on FBGEMM's
-fp16-weight kernel (models/fp16_kernel.py).
+the largest single cost of a step; its fp16 copy reads in a quarter of the time on an fp16-weight kernel
+(kernels/fp16_gemv.c, or FBGEMM's in models/fp16_kernel.py).
 
 The screen is exact because its error has a proven bound. For a hidden row h and a vocabulary
 row w (float32 or fp16 values) with fp16 copy w16, the exact score e = w . h and the screened
-score a (FBGEMM's float32 sum of w16 * h, in any order) satisfy
+score a (a float32 sum of w16 * h, in any order) satisfy
 
     |e - a| <= |(w - w16) . h| + |w16 . h - a| <= (||w - w16|| + gamma_K ||w16||) ||h|| =: B
 
@@ -34,6 +34,7 @@ from specdraft.models.block_linear import BlockLinear
 from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16
 from specdraft.models.kernels import build as kernels
 from specdraft.models.kernels.int8_screen import GROUP, int8_scores, quantize_rows, quantize_table
+from specdraft.models.quant import Fp16Linear
 
 _U = 2.0**-24  # float32 unit roundoff
 CROWDED = 2048  # candidates per row past which the int8 screen's row is screened again finely
@@ -60,11 +61,13 @@ class ScreenedHead(nn.Module):
     """argmax(h @ W^T) per row, exact, for a float32 or fp16 table W [V, H] on an x86 CPU."""
 
     def __init__(self, weight: torch.Tensor, packed: torch.ScriptObject | None = None, fp16_values: bool = False,
-                 scorer: nn.Module | None = None):
-        """weight: the model's table (shared): float32, or fp16 with fp16_values; packed: its fp16
-        copy when the model has one; fp16_values: the head's exact scores are against the
-        fp16-rounded table (--weights fp16); scorer: instead of an fp16 screen, a module whose
-        float32 scores multiply by exactly `weight`'s values, summed in float32 (--weights gguf)."""
+                 scorer: nn.Module | None = None, fp16_scores=None):
+        """weight: the model's table (shared): float32, or fp16 with fp16_values; packed: its FBGEMM
+        fp16 copy when the model has one; fp16_values: the head's exact scores are against the
+        fp16-rounded table (--weights fp16); fp16_scores: instead of `packed`, a function rows ->
+        float32 sums of rows x the fp16 table (the fp16 head's `matmul`); scorer: instead of an
+        fp16 screen, a module whose float32 scores multiply by exactly `weight`'s values, summed
+        in float32 (--weights gguf)."""
         super().__init__()
         dtypes = (torch.float32, torch.float16) if fp16_values else (torch.float32,)
         if weight.dtype not in dtypes or weight.device.type != "cpu":
@@ -86,8 +89,12 @@ class ScreenedHead(nn.Module):
                 # w = fl(s c): |w - s c| <= u |s c| elementwise, and ||s c|| <= (1 + u) ||w||
                 self._set_int8_bound(_U * (1 + _U) * self.weight_norm, (1 + _U) * self.weight_norm, k)
             return
-        self.packed = packed if packed is not None else prepack_fp16(weight)
-        self.packed_nbytes = weight.numel() * 2 if packed is None else 0  # an fp16 copy of its own, or none
+        self.fp16_scores = fp16_scores
+        if fp16_scores is not None:
+            self.packed, self.packed_nbytes = None, 0
+        else:
+            self.packed = packed if packed is not None else prepack_fp16(weight)
+            self.packed_nbytes = weight.numel() * 2 if packed is None else 0  # an fp16 copy of its own, or none
         if fp16_values and k % GROUP == 0 and kernels.available():
             # --weights fp16: an int8 copy of the table (0.6x the fp16 bytes) screens greedy steps;
             # the packed fp16 copy stays for sampling, which needs every logit.
@@ -127,7 +134,12 @@ class ScreenedHead(nn.Module):
 
     def _fine_screen(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores from the exact weights (gguf kernel) or the fp16 copy, and their bound per row."""
-        scores = self.scorer(rows) if self.scorer is not None else fp16_mm(rows, self.packed, pad=False)
+        if self.scorer is not None:
+            scores = self.scorer(rows)
+        elif self.fp16_scores is not None:
+            scores = self.fp16_scores(rows)
+        else:
+            scores = fp16_mm(rows, self.packed, pad=False)
         return scores, self.bound_per_unit_h * rows.norm(dim=-1)  # the bound holds for any row blocking
 
     def _set_int8_bound(self, table_err: float, table_norm: float, k: int) -> None:
@@ -179,8 +191,11 @@ def screen_head(model: nn.Module) -> bool:
     if isinstance(packed_head, BlockLinear):
         model.screened_head = ScreenedHead(weight, scorer=packed_head)
         return True
-    if packed_head is not None and hasattr(packed_head, "packed_fp16"):
-        model.screened_head = ScreenedHead(weight, packed_head.packed_fp16, fp16_values=True)
+    if isinstance(packed_head, Fp16Linear):
+        if packed_head.tiles is not None:
+            model.screened_head = ScreenedHead(weight, fp16_values=True, fp16_scores=packed_head.matmul)
+        else:
+            model.screened_head = ScreenedHead(weight, packed_head.packed_fp16, fp16_values=True)
         return True
     if packed_head is not None or weight.dtype != torch.float32:
         return False

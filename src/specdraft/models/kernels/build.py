@@ -34,6 +34,8 @@ SIGNATURES = {  # name: argument types (every kernel returns nothing)
     "residual_norms": [_PTR, _INT] + [_PTR] * 5 + [_I64, _I64, _FLOAT, _INT],
     "qk_rope_write": [_PTR] + [_I64] * 5 + [_PTR, _PTR, _FLOAT] + [_PTR] * 5 + [_I64, _I64, _PTR, _I64, _I64, _INT],
     "gated_act": [_PTR, _I64, _I64, _INT, _PTR, _INT],
+    "fp16_gemv": [_PTR] * 4 + [_I64] * 3 + [_INT],
+    "decoder_layer": [_PTR] * 5 + [_INT],
 }
 
 
@@ -71,6 +73,7 @@ def library() -> ctypes.CDLL:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    lib.decoder_layer_scratch.argtypes, lib.decoder_layer_scratch.restype = [_PTR, _I64, _I64], _I64
     return lib
 
 

@@ -1,0 +1,71 @@
+/* One decoder layer's short forward (decode, verify, drafting) with fp16 weights, in one call.
+ *
+ *     h = norm_in(x);  q, k, v = qkv(h);  q, k = rope(q_norm(q)), rope(k_norm(k));  cache <- k, v
+ *     a = o(attention(q, cache))
+ *     x = x + norm_post_attn(a)  (Gemma's sandwich; Llama: x + a);  h = norm_pre_mlp(x)
+ *     m = down(act(gate(h)) * up(h));  x = x + norm_post_mlp(m)  (Llama: x + m)
+ *
+ * The same kernels, in the same order, as the per-op path of models/decoder.py takes with the C
+ * kernels (so the same bits): this file only removes the ~40 Python-level calls a layer costs
+ * there (a few ms a step on a 2-core CPU).
+ */
+#include "kernels.h"
+
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, inter;
+    int sandwich, act; /* act: gated_act's kind */
+    float eps, qk_eps, scale, softcap;
+    const float *norm_in, *norm_post_attn, *norm_pre_mlp, *norm_post_mlp; /* scales; NULL: none */
+    const float *q_norm, *k_norm; /* NULL: no q/k norms */
+    const uint16_t *qkv, *o, *gate_up, *down; /* fp16_gemv tiles */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* NULL: none */
+} LayerWeights;
+
+/* Everything a forward of B rows x T tokens needs besides the weights. */
+typedef struct {
+    int64_t B, T;
+    const float *cos, *sin; /* [B*T, head_dim] */
+    const int64_t *positions; /* [B, T] */
+    float *k_cache, *v_cache; /* this layer's [B, kv_heads, capacity, head_dim] */
+    int64_t cache_sb, cache_sh; /* their batch and head strides (the same for K and V) */
+    int64_t span_lo, span_len; /* the keys attention reads */
+    const uint8_t *mask; /* [B, 1, T, span_len] bool */
+    int64_t mask_sb, mask_st;
+} LayerStep;
+
+/* Scratch floats decoder_layer needs for M = B*T rows over span_len keys. */
+int64_t decoder_layer_scratch(const LayerWeights *L, int64_t M, int64_t span_len) {
+    const int64_t qd = L->heads * L->head_dim;
+    return M * ((L->heads + 2 * L->kv_heads) * L->head_dim + 2 * qd + 5 * L->hidden + 3 * L->inter)
+           + M * L->heads * span_len;
+}
+
+/* x [M, hidden] -> out [M, hidden] (may not alias x). */
+void decoder_layer(const LayerWeights *L, const LayerStep *S, const float *x, float *out, float *scratch, int threads)
+{
+    const int64_t M = S->B * S->T, H = L->hidden, D = L->head_dim, qd = L->heads * D;
+    const int64_t width = (L->heads + 2 * L->kv_heads) * D;
+    float *h = scratch, *qkv = h + M * H, *q = qkv + M * width, *att = q + M * qd, *a = att + M * qd;
+    float *x_mid = a + M * H, *h2 = x_mid + M * H, *gu = h2 + M * H, *mm = gu + 2 * M * L->inter;
+    float *d = mm + M * L->inter, *work = d + M * H;
+
+    rms_norm_rows(x, L->norm_in, 0, h, M, H, L->eps, threads);
+    fp16_gemv(h, L->qkv, L->qkv_bias, qkv, M, width, H, threads);
+    qk_rope_write(qkv, M, S->T, L->heads, L->kv_heads, D, L->q_norm, L->k_norm, L->qk_eps, S->cos, S->sin,
+                  S->positions, q, S->k_cache, S->cache_sb, S->cache_sh, S->v_cache, S->cache_sb, S->cache_sh,
+                  threads);
+    /* q [B, T, heads, D]: strides batch T*qd, head D, query qd; out [B, T, heads, D] */
+    attend_rows(q, S->T * qd, D, qd, S->k_cache + S->span_lo * D, S->v_cache + S->span_lo * D, S->cache_sb,
+                S->cache_sh, S->cache_sb, S->cache_sh, S->mask, S->mask_sb, S->mask_st, att, S->B, L->heads,
+                L->kv_heads, S->T, S->span_len, D, L->scale, L->softcap, work, threads);
+    fp16_gemv(att, L->o, L->o_bias, a, M, H, qd, threads);
+    residual_norms(a, L->sandwich, L->norm_post_attn, x, L->norm_pre_mlp, x_mid, h2, M, H, L->eps, threads);
+    fp16_gemv(h2, L->gate_up, L->gate_up_bias, gu, M, 2 * L->inter, H, threads);
+    gated_act(gu, M, L->inter, L->act, mm, threads);
+    fp16_gemv(mm, L->down, L->down_bias, d, M, H, L->inter, threads);
+    if (L->sandwich) {
+        rms_norm_rows(d, L->norm_post_mlp, x_mid, out, M, H, L->eps, threads);
+    } else {
+        for (int64_t i = 0; i < M * H; i++) out[i] = x_mid[i] + d[i];
+    }
+}

@@ -72,6 +72,18 @@ def test_attention_matches_pytorch_and_is_row_invariant(b, h, hkv, t, s, d, wind
                            got[r : r + 1])
 
 
+def test_attention_does_not_depend_on_masked_keys_past_the_last_visible_one() -> None:
+    """A plain step's key span ends sooner than a verification's (spans end on 128-key blocks): the
+    chunks past a query's last visible key must not change its bits."""
+    gen = torch.Generator().manual_seed(11)
+    k, v = torch.randn(1, 1, 640, 64, generator=gen), torch.randn(1, 1, 640, 64, generator=gen)
+    q = torch.randn(1, 4, 1, 64, generator=gen)
+    full = window_mask(1, 1, 640, None, start=300)  # sees keys 0..300
+    ref = attend_short(q, k, v, full, 0.125, None)
+    for s in (301, 384, 512):
+        assert torch.equal(attend_short(q, k[:, :, :s], v[:, :, :s], full[..., :s], 0.125, None), ref)
+
+
 def test_attention_without_mask_and_with_no_visible_key() -> None:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 2, 16, generator=gen) for _ in range(3))

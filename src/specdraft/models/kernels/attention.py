@@ -25,7 +25,7 @@ def attend_short(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
         if mask.stride(-1) != 1:
             mask = mask.contiguous()
     out = torch.empty(b, t, h, d, dtype=torch.float32)
-    work = torch.empty(b * h * t, s, dtype=torch.float32)
+    work = torch.empty(library().attend_work(b, h, t, s, d), dtype=torch.float32)
     library().attend_rows(
         q.data_ptr(), q.stride(0), q.stride(1), q.stride(2),
         k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

@@ -74,6 +74,7 @@ def library() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.decoder_layer_scratch.argtypes, lib.decoder_layer_scratch.restype = [_PTR, _I64, _I64], _I64
+    lib.attend_work.argtypes, lib.attend_work.restype = [_I64] * 5, _I64
     return lib
 
 

@@ -37,7 +37,7 @@ typedef struct {
 int64_t decoder_layer_scratch(const LayerWeights *L, int64_t M, int64_t span_len) {
     const int64_t qd = L->heads * L->head_dim;
     return M * ((L->heads + 2 * L->kv_heads) * L->head_dim + 2 * qd + 5 * L->hidden + 3 * L->inter)
-           + M * L->heads * span_len;
+           + attend_work(M, L->heads, 1, span_len, L->head_dim); /* its size: rows x heads x keys */
 }
 
 /* x [M, hidden] -> out [M, hidden] (may not alias x). */

@@ -3,15 +3,15 @@
 A decode or verify step on a CPU runs ~1,000 small ops; eager PyTorch spends tens of
 microseconds on each (dispatch, allocation, a thread-pool wake-up), which on a 2-core machine
 is as much time as the weights take to read. These kernels do the step's pieces in one call
-each: the fp16-weight matmul of --weights fp16 (fp16_gemv.c), the GGUF block matmul (block_gemv.c), attention for a few queries over the cache
-(attention.c), RMSNorm and the pair of norms between attention and MLP (rms_norm.c), q/k norms
-+ RoPE + the KV cache write (qk_rope.c), the gated MLP's activation (gated_act.c), the greedy
-head's int8 screen (int8_screen.c) and the MTP drafter's candidate scores (score_rows.c);
-simd.h holds what they share. With fp16 weights a decoder layer's short forward is one call
-(decoder_layer.c strings the others together; kernels.h declares them); with other weights it
-is six C calls around the projections (models/decoder.py). Each computes every
-row in one fixed order, so a row's result never depends on the rows beside it (speculative
-output equals plain output).
+each: the fp16-weight matmul of --weights fp16 (fp16_gemv.c), the GGUF block matmul
+(block_gemv.c), attention for a few queries over the cache (attention.c), RMSNorm and the pair
+of norms between attention and MLP (rms_norm.c), q/k norms + RoPE + the KV cache write
+(qk_rope.c), the gated MLP's activation (gated_act.c), the greedy head's int8 screen
+(int8_screen.c) and the MTP drafter's candidate scores (score_rows.c); simd.h holds what they
+share. With fp16 weights a decoder layer's short forward is one call (decoder_layer.c strings
+the others together; kernels.h declares them); with other weights it is six C calls around the
+projections (models/decoder.py). Each computes every row in one fixed order, so a row's result
+never depends on the rows beside it (speculative output equals plain output).
 
 `build.library()` compiles every .c file here into one shared library in the cache folder
 (once per source, compiler and flags) and loads it with ctypes.

@@ -11,6 +11,7 @@ from conftest import TinyModel
 from specdraft.device import fp16_kernel_available
 from specdraft.loading import load_folder
 from specdraft.models.fp16_kernel import PROBE_ROWS, fp16_mm, prepack_fp16, row_invariant
+from specdraft.drafters.mtp.drafter import layer_contexts
 from specdraft.models.kernels import build as kernels
 from specdraft.models.quant import Fp16Linear, compact_weights
 from specdraft.models.screened_head import ScreenedHead, screen_head
@@ -229,7 +230,22 @@ def test_mtp_drafter_over_an_fp16_target_is_exact(gemma_tiny: TinyModel, tmp_pat
                              num_centroids=16 if clustered else None, top_k_clusters=4)
     save_network(init_network(cfg, model, seed=3, std=0.2), tmp_path / "d")
     drafter = load_mtp_drafter(tmp_path / "d", model, torch.float32, "cpu")
+    # next to fp16 tiles the drafter's linears are fp16 tiles too (and its MLP one projection)
+    assert any(isinstance(m, Fp16Linear) for m in drafter.net.modules()) == kernels.available()
     prompts = repetitive_prompts(gemma_tiny.cfg.vocab_size, 2)
     plain = Engine(model).generate(prompts, 16, eos_token_ids=[])
     spec = Engine(model, drafter=drafter, draft_tokens=3).generate(prompts, 16, eos_token_ids=[])
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    if kernels.available():  # fp16 weights move the drafter's outputs by about fp16's rounding only
+        from specdraft.drafters.mtp import load_network
+
+        float32_net, _ = load_network(tmp_path / "d", model, torch.float32, "cpu")
+        gen = torch.Generator().manual_seed(0)
+        embeds, state = torch.randn(2, 1, 64, generator=gen), torch.randn(2, 1, 64, generator=gen)
+        with torch.inference_mode():
+            cache = model.new_cache(2, 8)
+            model(torch.randint(0, 100, (2, 6)), cache)
+            contexts = layer_contexts(drafter.sources, cache.k, cache.v, torch.full((2, 1), 5), torch.float32)
+            z16, s16 = drafter.net.step(embeds, state, contexts)
+            z32, s32 = float32_net.step(embeds, state, contexts)
+        assert (s16 - s32).abs().max() <= 2e-3 * s32.abs().max()

@@ -22,7 +22,10 @@ from torch import nn
 
 from specdraft.drafters.mtp.config import MTPConfig
 from specdraft.drafters.mtp.head import ClusteredHead
+from specdraft.models.kernels import build as kernels
+from specdraft.models.kernels.fp16_gemv import takes as fp16_tiles_take
 from specdraft.models.layers import GatedMLP, RMSNorm, attend
+from specdraft.models.quant import Fp16Linear
 from specdraft.models.rope import apply_rope
 
 
@@ -110,3 +113,21 @@ class MTPNetwork(nn.Module):
     def nbytes(self) -> int:
         tensors = list(self.parameters()) + list(self.buffers())
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def fp16_like_target(net: MTPNetwork, target: nn.Module) -> bool:
+    """For inference next to a target with fp16 weights on the C kernel (--weights fp16): the
+    drafter's linears become fp16 tiles too (half the bytes, read by the same kernel; a draft step
+    is mostly its matmuls and its Python) and each MLP's gate and up one projection. Drafts may
+    round differently from the float32 drafter's; what is emitted is still the target's. True
+    if it did."""
+    if not kernels.available() or not any(isinstance(m, Fp16Linear) and m.tiles is not None
+                                          for m in target.modules()):
+        return False
+    for layer in net.model.layers:
+        layer.mlp.fuse_projections()
+    for module in list(net.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear and fp16_tiles_take(child.weight):
+                setattr(module, name, Fp16Linear(child.weight, child.bias))
+    return True

@@ -11,7 +11,9 @@ from conftest import TinyModel
 from specdraft.device import fp16_kernel_available
 from specdraft.loading import load_folder
 from specdraft.models.fp16_kernel import PROBE_ROWS, fp16_mm, prepack_fp16, row_invariant
+from specdraft.drafters.mtp import network
 from specdraft.drafters.mtp.drafter import layer_contexts
+from specdraft.models.kernels.decoder_layer import decoder_layer
 from specdraft.models.kernels import build as kernels
 from specdraft.models.quant import Fp16Linear, compact_weights
 from specdraft.models.screened_head import ScreenedHead, screen_head
@@ -218,7 +220,8 @@ def test_drafter_scores_against_an_fp16_table_as_against_its_float32_values() ->
 
 
 @pytest.mark.parametrize("clustered", [False, True])
-def test_mtp_drafter_over_an_fp16_target_is_exact(gemma_tiny: TinyModel, tmp_path, clustered: bool) -> None:
+def test_mtp_drafter_over_an_fp16_target_is_exact(gemma_tiny: TinyModel, tmp_path, clustered: bool,
+                                                   monkeypatch) -> None:
     """The MTP drafter reads the target's fp16 table (clustered head) or its packed head (every
     token); speculative output still equals plain output."""
     from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
@@ -246,6 +249,12 @@ def test_mtp_drafter_over_an_fp16_target_is_exact(gemma_tiny: TinyModel, tmp_pat
             cache = model.new_cache(2, 8)
             model(torch.randint(0, 100, (2, 6)), cache)
             contexts = layer_contexts(drafter.sources, cache.k, cache.v, torch.full((2, 1), 5), torch.float32)
-            z16, s16 = drafter.net.step(embeds, state, contexts)
+            calls = []
+            monkeypatch.setattr(network, "decoder_layer", lambda *a: calls.append(1) or decoder_layer(*a))
+            z16, s16 = drafter.net.step(embeds, state, contexts)  # each block one C call ...
+            assert len(calls) == len(drafter.net.model.layers)
+            monkeypatch.setattr(network.DrafterBlock, "_fused_weights", lambda self, x, ctx: None)
+            per_op = drafter.net.step(embeds, state, contexts)  # ... with the per-op kernels' bits
             z32, s32 = float32_net.step(embeds, state, contexts)
+        assert torch.equal(z16, per_op[0]) and torch.equal(s16, per_op[1])
         assert (s16 - s32).abs().max() <= 2e-3 * s32.abs().max()

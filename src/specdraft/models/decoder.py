@@ -15,7 +15,7 @@ from torch import nn
 from specdraft.config import SLIDING, ModelConfig
 from specdraft.kv_cache import SHORT_FORWARD, AttentionSpan, KVCache
 from specdraft.models.kernels.build import applies as kernels_apply
-from specdraft.models.kernels.decoder_layer import LayerWeights, decoder_layer, pointer
+from specdraft.models.kernels.decoder_layer import LayerWeights, decoder_layer, fusable, pointer, reads_cache
 from specdraft.models.kernels.gated_act import KINDS as NATIVE_ACTIVATIONS
 from specdraft.models.kernels.qk_rope import MAX_HEAD_DIM, qk_rope_write
 from specdraft.models.kernels.rms_norm import residual_norms
@@ -142,7 +142,6 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slot, span)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-
     def _norms(self) -> list[RMSNorm]:
         extra = [self.pre_feedforward_layernorm, self.post_feedforward_layernorm] if self.sandwich else []
         return [self.input_layernorm, self.post_attention_layernorm] + extra
@@ -162,23 +161,14 @@ class DecoderLayer(nn.Module):
         if self._fused is None or self._fused[0] != key:  # what it points into stays referenced with it
             self._fused = (key, self._layer_weights() if self._fusable() else None, linears, tiles, norms)
         weights = self._fused[1]
-        if weights is None:
-            return None
-        k, v = cache.k[slot], cache.v[slot]
-        ok = (k.dtype == torch.float32 and k.stride(-1) == 1 and k.stride(-2) == attn.head_dim
-              and v.stride() == k.stride() and v.dtype == torch.float32)
-        return weights if ok else None
+        return weights if weights is not None and reads_cache(cache.k[slot], cache.v[slot], attn.head_dim) else None
 
     def _fusable(self) -> bool:
-        """Whether decoder_layer.c computes this layer: fp16_gemv tiles everywhere, an activation,
-        norms and q/k norms (with scales) that its kernels take, one eps for the layer's norms."""
+        """Whether decoder_layer.c computes this layer (see kernels.decoder_layer.fusable)."""
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        norms = self._norms()
-        qk_ok = attn.q_norm is None or all(n.weight is not None and n.native_ready() for n in (attn.q_norm, attn.k_norm))
-        return (all(type(m) is Fp16Linear and m.tiles is not None for m in linears) and qk_ok
-                and mlp.act_name in NATIVE_ACTIVATIONS and all(n.native_ready() for n in norms)
-                and len({n.eps for n in norms}) == 1 and attn.head_dim <= MAX_HEAD_DIM)
+        k_ok = attn.k_norm is None or (attn.k_norm.weight is not None and attn.k_norm.native_ready())
+        return fusable(linears, self._norms(), mlp.act_name, attn.q_norm, attn.head_dim) and k_ok
 
     def _layer_weights(self) -> LayerWeights:
         attn, mlp, sandwich = self.self_attn, self.mlp, self.sandwich
@@ -186,9 +176,10 @@ class DecoderLayer(nn.Module):
         pre_mlp = self.pre_feedforward_layernorm if sandwich else self.post_attention_layernorm
         return LayerWeights(
             hidden=attn.o_proj.out_features, heads=attn.num_heads, kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim, inter=mlp.down_proj.in_features, sandwich=int(sandwich),
-            act=NATIVE_ACTIVATIONS[mlp.act_name], eps=self.input_layernorm.eps,
+            head_dim=attn.head_dim, inter=mlp.down_proj.in_features, qkv_kv_heads=attn.num_kv_heads,
+            sandwich=int(sandwich), act=NATIVE_ACTIVATIONS[mlp.act_name], eps=self.input_layernorm.eps,
             qk_eps=q_norm.eps if q_norm is not None else 0.0, scale=attn.scale, softcap=attn.softcap or 0.0,
+            layer_scalar=1.0,
             norm_in=pointer(self.input_layernorm.native_scale()),
             norm_post_attn=pointer(self.post_attention_layernorm.native_scale()) if sandwich else None,
             norm_pre_mlp=pointer(pre_mlp.native_scale()),

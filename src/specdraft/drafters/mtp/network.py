@@ -22,7 +22,11 @@ from torch import nn
 
 from specdraft.drafters.mtp.config import MTPConfig
 from specdraft.drafters.mtp.head import ClusteredHead
+from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models.kernels import build as kernels
+from specdraft.models.kernels.build import applies as kernels_apply
+from specdraft.models.kernels.decoder_layer import LayerWeights, decoder_layer, fusable, pointer, reads_cache
+from specdraft.models.kernels.gated_act import KINDS
 from specdraft.models.kernels.fp16_gemv import takes as fp16_tiles_take
 from specdraft.models.layers import GatedMLP, RMSNorm, attend
 from specdraft.models.quant import Fp16Linear
@@ -72,11 +76,57 @@ class DrafterBlock(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.post_feedforward_layernorm = RMSNorm(h, eps)
         self.register_buffer("layer_scalar", torch.ones(1))
+        self._fused = None  # (key, LayerWeights or None, what it points into): see _fused_weights
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        weights = self._fused_weights(x, ctx)
+        if weights is not None:  # the whole block in one C call (models/kernels/decoder_layer.c)
+            return decoder_layer(weights, x, ctx.cos, ctx.sin, None, ctx.keys, ctx.values, 0, ctx.keys.shape[2],
+                                 ctx.mask)
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), ctx))
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return x * self.layer_scalar
+
+
+    def _norms(self) -> list[RMSNorm]:
+        return [self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
+                self.post_feedforward_layernorm]
+
+    def _fused_weights(self, x: torch.Tensor, ctx: LayerContext) -> LayerWeights | None:
+        """The block's weights for decoder_layer.c (query-only attention, nothing written) when this
+        step can take it: inference in float32 on the CPU, fp16 tiles (fp16_like_target). Kept
+        until a projection, a norm's weight, the scalar or the context's shape changes."""
+        if x.shape[1] > SHORT_FORWARD or not kernels_apply(x):
+            return None
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.q_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = self._norms() + ([attn.q_norm] if attn.q_norm is not None else [])
+        tiles = [getattr(m, "tiles", None) for m in linears]
+        key = (tuple(map(id, linears + tuple(tiles))) + tuple(-1 if n.weight is None else n.weight._version for n in norms)
+               + (self.layer_scalar._version, ctx.scale, ctx.keys.shape[1]))
+        if self._fused is None or self._fused[0] != key:  # what it points into stays referenced with it
+            ok = fusable(linears, self._norms(), mlp.act_name, attn.q_norm, attn.head_dim)
+            self._fused = (key, self._layer_weights(ctx) if ok else None, linears, tiles, norms)
+        weights = self._fused[1]
+        return weights if weights is not None and reads_cache(ctx.keys, ctx.values, attn.head_dim) else None
+
+    def _layer_weights(self, ctx: LayerContext) -> LayerWeights:
+        attn, mlp = self.self_attn, self.mlp
+        q_norm = attn.q_norm
+        return LayerWeights(
+            hidden=attn.o_proj.out_features, heads=attn.heads, kv_heads=ctx.keys.shape[1], head_dim=attn.head_dim,
+            inter=mlp.down_proj.in_features, qkv_kv_heads=0, sandwich=1, act=KINDS[mlp.act_name],
+            eps=self.input_layernorm.eps, qk_eps=q_norm.eps if q_norm is not None else 0.0, scale=ctx.scale,
+            softcap=0.0, layer_scalar=float(self.layer_scalar),
+            norm_in=pointer(self.input_layernorm.native_scale()),
+            norm_post_attn=pointer(self.post_attention_layernorm.native_scale()),
+            norm_pre_mlp=pointer(self.pre_feedforward_layernorm.native_scale()),
+            norm_post_mlp=pointer(self.post_feedforward_layernorm.native_scale()),
+            q_norm=pointer(q_norm.native_scale()) if q_norm is not None else None, k_norm=None,
+            qkv=attn.q_proj.tiles.data_ptr(), o=attn.o_proj.tiles.data_ptr(),
+            gate_up=mlp.gate_up_proj.tiles.data_ptr(), down=mlp.down_proj.tiles.data_ptr(),
+            qkv_bias=pointer(attn.q_proj.bias), o_bias=pointer(attn.o_proj.bias),
+            gate_up_bias=pointer(mlp.gate_up_proj.bias), down_bias=pointer(mlp.down_proj.bias))
 
 
 class DrafterBody(nn.Module):

@@ -5,6 +5,9 @@
  *     x = x + norm_post_attn(a)  (Gemma's sandwich; Llama: x + a);  h = norm_pre_mlp(x)
  *     m = down(act(gate(h)) * up(h));  x = x + norm_post_mlp(m)  (Llama: x + m)
  *
+ * The MTP drafter's blocks are the same with query-only attention over the target's cache (no
+ * K/V projection, nothing written) and a final per-layer factor.
+ *
  * The same kernels, in the same order, as the per-op path of models/decoder.py takes with the C
  * kernels (so the same bits): this file only removes the ~40 Python-level calls a layer costs
  * there (a few ms a step on a 2-core CPU).
@@ -13,8 +16,10 @@
 
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
+    int64_t qkv_kv_heads; /* K/V heads the qkv projection computes and the cache gets: kv_heads, or 0
+                             for query-only attention over a cache others wrote (the MTP drafter) */
     int sandwich, act; /* act: gated_act's kind */
-    float eps, qk_eps, scale, softcap;
+    float eps, qk_eps, scale, softcap, layer_scalar; /* layer_scalar: the output's factor (Gemma 4) */
     const float *norm_in, *norm_post_attn, *norm_pre_mlp, *norm_post_mlp; /* scales; NULL: none */
     const float *q_norm, *k_norm; /* NULL: no q/k norms */
     const uint16_t *qkv, *o, *gate_up, *down; /* fp16_gemv tiles */
@@ -36,7 +41,7 @@ typedef struct {
 /* Scratch floats decoder_layer needs for M = B*T rows over span_len keys. */
 int64_t decoder_layer_scratch(const LayerWeights *L, int64_t M, int64_t span_len) {
     const int64_t qd = L->heads * L->head_dim;
-    return M * ((L->heads + 2 * L->kv_heads) * L->head_dim + 2 * qd + 5 * L->hidden + 3 * L->inter)
+    return M * ((L->heads + 2 * L->qkv_kv_heads) * L->head_dim + 2 * qd + 5 * L->hidden + 3 * L->inter)
            + attend_work(M, L->heads, 1, span_len, L->head_dim); /* its size: rows x heads x keys */
 }
 
@@ -44,14 +49,14 @@ int64_t decoder_layer_scratch(const LayerWeights *L, int64_t M, int64_t span_len
 void decoder_layer(const LayerWeights *L, const LayerStep *S, const float *x, float *out, float *scratch, int threads)
 {
     const int64_t M = S->B * S->T, H = L->hidden, D = L->head_dim, qd = L->heads * D;
-    const int64_t width = (L->heads + 2 * L->kv_heads) * D;
+    const int64_t width = (L->heads + 2 * L->qkv_kv_heads) * D;
     float *h = scratch, *qkv = h + M * H, *q = qkv + M * width, *att = q + M * qd, *a = att + M * qd;
     float *x_mid = a + M * H, *h2 = x_mid + M * H, *gu = h2 + M * H, *mm = gu + 2 * M * L->inter;
     float *d = mm + M * L->inter, *work = d + M * H;
 
     rms_norm_rows(x, L->norm_in, 0, h, M, H, L->eps, threads);
     fp16_gemv(h, L->qkv, L->qkv_bias, qkv, M, width, H, threads);
-    qk_rope_write(qkv, M, S->T, L->heads, L->kv_heads, D, L->q_norm, L->k_norm, L->qk_eps, S->cos, S->sin,
+    qk_rope_write(qkv, M, S->T, L->heads, L->qkv_kv_heads, D, L->q_norm, L->k_norm, L->qk_eps, S->cos, S->sin,
                   S->positions, q, S->k_cache, S->cache_sb, S->cache_sh, S->v_cache, S->cache_sb, S->cache_sh,
                   threads);
     /* q [B, T, heads, D]: strides batch T*qd, head D, query qd; out [B, T, heads, D] */
@@ -68,4 +73,6 @@ void decoder_layer(const LayerWeights *L, const LayerStep *S, const float *x, fl
     } else {
         for (int64_t i = 0; i < M * H; i++) out[i] = x_mid[i] + d[i];
     }
+    if (L->layer_scalar != 1.0f)
+        for (int64_t i = 0; i < M * H; i++) out[i] *= L->layer_scalar;
 }

@@ -146,6 +146,30 @@ def test_a_lookup_without_match_counts_as_a_miss():
     assert row.rates["lookup"][0] < 0.8 and row.rates["lookup"][1] == 0.8
 
 
+def test_a_drafter_that_stops_early_is_charged_for_what_it_drafts():
+    """The MTP drafter stops after an unsure draft and a lookup where its match ends: a round asked
+    for 4 drafts that keeps bringing 1 verifies 2 tokens, not 5. The policy learns how far the
+    drafter carries on and charges the drafts and verify width it expects; without that it
+    charged the full width and chose plain rounds where drafting paid."""
+    widths_costed = []
+    costs = FakeCosts(lambda n, w: widths_costed.append(w) or 1.0 + 0.6 * (w - 1), lambda n, s: 0.1 * s)
+    p = policy_for(costs, k=4, prior={"mtp": 0.6})
+    row = p.new_row("mtp")
+    assert p.choose([row]) == 0  # asking 4 and verifying 5 does not pay at these prices
+    for _ in range(20):
+        p.observe(row, "mtp", 1, 1, requested=4)  # one draft proposed (then unsure), accepted
+    assert row.continues["mtp"][0] < 0.01 and row.continues["mtp"][1:] == [1.0, 1.0]
+    assert p.expected_tokens(row)[4] == pytest.approx(2.0, abs=0.02)  # what 1 accepted draft brings
+    widths_costed.clear()
+    assert p.choose([row]) > 0
+    assert max(widths_costed) < 2.02  # never charged more than the 2 tokens it verifies
+    same = p.new_row("mtp")  # without `requested`, drafted < asked says nothing about stopping
+    p.observe(same, "mtp", 1, 1)
+    assert "mtp" not in same.continues
+    p.observe(row, "mtp", 3, 3, requested=4)  # carried on to draft 3, then stopped
+    assert row.continues["mtp"][0] > 0.01 and row.continues["mtp"][2] < 1.0
+
+
 def test_fixed_policy_is_k_with_the_row_rule():
     assert FixedPolicy(5).choose([None] * 16) == 5
     rule = FixedPolicy(3, speculate_below=4)
@@ -322,8 +346,9 @@ class RecordingPolicy(FixedPolicy):
         super().__init__(width)
         self.seen: list = []
 
-    def observe(self, state, source, drafted, accepted, chances=None):
+    def observe(self, state, source, drafted, accepted, chances=None, requested=None):
         self.seen.append((drafted, accepted, chances))
+        self.requested = requested
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -333,6 +358,7 @@ def test_engine_reports_chances_only_when_sampling(llama_tiny, temperature):
     engine = Engine(llama_tiny.ours, drafter=NgramDrafter(), draft_tokens=3, policy=policy)
     engine.generate(prompts, 12, SamplingParams(temperature, seed=0), eos_token_ids=[])
     judged = [(d, a, c) for d, a, c in policy.seen if d > 0]
+    assert policy.requested == 3  # the width each round asked for
     assert judged
     for drafted, accepted, chances in judged:
         if temperature == 0:

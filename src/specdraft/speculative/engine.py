@@ -354,7 +354,7 @@ class Engine:
                     s.accepted_by_position[j] += 1
                 source = self._source(bool(h[kk + 3]))
                 self.policy.observe(row.acceptance, source if kk else None, valid, a,
-                                    None if row.group.params.greedy else chance)
+                                    None if row.group.params.greedy else chance, width)
                 self._emit(row, h[: a + 1], [source] * a + ["target"])
             self._remove_finished()
 

@@ -73,9 +73,10 @@ class DraftPolicy:
         raise NotImplementedError
 
     def observe(self, state, source: str | None, drafted: int, accepted: int,
-                chances: list[float] | None = None) -> None:
+                chances: list[float] | None = None, requested: int | None = None) -> None:
         """A row's round: `drafted` drafts verified (0 for a plain round), `accepted` of them taken;
-        `chances`, when sampling: the probability each draft had of being accepted."""
+        `chances`, when sampling: the probability each draft had of being accepted; `requested`:
+        the width the round asked for (a drafter may stop sooner)."""
 
 
 class FixedPolicy(DraftPolicy):
@@ -99,6 +100,10 @@ class RowAcceptance:
     def __init__(self, source: str, lookups: bool, prompt: list[int] = ()):
         self.source, self.lookups = source, lookups  # lookups: the drafter mixes them in (mtp+ngram)
         self.rates: dict[str, list[float]] = {}
+        # Per source, position j: the chance the drafter proposes draft j + 2 once it proposed draft
+        # j + 1 and the round asked for more (the MTP drafter stops after an unsure draft; a lookup
+        # ends where its match ends). A round that stops sooner drafts and verifies fewer tokens.
+        self.continues: dict[str, list[float]] = {}
         self.sampled = False  # its rounds report acceptance chances (temperature > 0)
         self._seen: set[tuple[int, int]] = set()  # every bigram but the last
         self._last: tuple[int, ...] = ()
@@ -128,6 +133,7 @@ class AdaptivePolicy(DraftPolicy):
         # Per source, every request's outcomes pooled: a new request starts from what the engine
         # has seen (a server or a benchmark keeps one engine for many requests), else from the prior.
         self.pooled: dict[str, list[float]] = {}
+        self.pooled_continues: dict[str, list[float]] = {}  # the same for continuation (prior: always)
 
     def prepare(self, model: torch.nn.Module, drafter: Drafter | None, rows: int, k: int, width: int) -> None:
         self.k, self.width = k, width
@@ -155,37 +161,63 @@ class AdaptivePolicy(DraftPolicy):
             state.rates[source] = list(self._start(source))
         return state.rates[source]
 
-    def _expected(self, rates: list[float]) -> list[float]:
-        out, reach = [1.0], 1.0
+    def _start_continues(self, source: str) -> list[float]:
+        size = max(0, self.cap(source) - 1)
+        if len(self.pooled_continues.get(source, ())) != size:
+            self.pooled_continues[source] = [1.0] * size
+        return self.pooled_continues[source]
+
+    def _continues(self, state: RowAcceptance, source: str) -> list[float]:
+        if source not in state.continues:
+            state.continues[source] = list(self._start_continues(source))
+        return state.continues[source]
+
+    def _expected(self, rates: list[float], continues: list[float]) -> tuple[list[float], list[float]]:
+        """[W = 0..width] -> (expected tokens emitted, expected drafts proposed) for a round that
+        asks W drafts: draft i exists with the chance the drafter carried on to it, and emits when
+        it and every earlier one exist and are accepted."""
+        tokens, drafts, reach, exists = [1.0], [0.0], 1.0, 1.0
         for w in range(1, self.width + 1):
-            reach = reach * rates[w - 1] if w <= len(rates) else 0.0  # no drafts past the source's cap
-            out.append(out[-1] + reach)
-        return out
+            if w > len(rates):  # no drafts past the source's cap
+                reach = exists = 0.0
+            else:
+                carry = continues[w - 2] if w >= 2 else 1.0
+                exists *= carry
+                reach *= rates[w - 1] * carry
+            tokens.append(tokens[-1] + reach)
+            drafts.append(drafts[-1] + exists)
+        return tokens, drafts
 
     def expected_tokens(self, state: RowAcceptance) -> list[float]:
         """[W = 0..width] -> expected tokens this row emits in a round of width W."""
-        return self._expected(self._rates(state, state.next_source))
+        source = state.next_source
+        return self._expected(self._rates(state, source), self._continues(state, source))[0]
 
     def choose(self, states: list) -> int:
         n = len(states)
         if self.width == 0 or n == 0:
             return 0
         gains = [0.0] * (self.width + 1)
-        drafter_runs = False  # when every row looks up, the drafter itself does not run
+        widths = [0.0] * (self.width + 1)  # the round's verify width: its widest row's expected drafts
+        steps = [0.0] * (self.width + 1)  # drafter steps: until its last row stops
         for s in states:
-            for w, e in enumerate(self.expected_tokens(s)):
-                gains[w] += e
-            drafter_runs |= s.next_source != "lookup"
+            source = s.next_source
+            tokens, drafts = self._expected(self._rates(s, source), self._continues(s, source))
+            for w in range(self.width + 1):
+                gains[w] += tokens[w]
+                widths[w] = max(widths[w], drafts[w])
+                if source != "lookup":  # when every row looks up, the drafter itself does not run
+                    steps[w] = max(steps[w], min(drafts[w], self.k))
         best, best_rate = 0, n / self.costs.verify(n, 1) * (1 + self.margin)
         for w in range(1, self.width + 1):
-            draft = self.costs.draft(n, min(w, self.k)) if drafter_runs else 0.0
-            rate = gains[w] / (draft + self.costs.verify(n, w + 1))
+            draft = self.costs.draft(n, steps[w]) if steps[w] > 0 else 0.0
+            rate = gains[w] / (draft + self.costs.verify(n, widths[w] + 1))
             if rate > best_rate:
                 best, best_rate = w, rate
         return best
 
     def observe(self, state: RowAcceptance | None, source: str | None, drafted: int, accepted: int,
-                chances: list[float] | None = None) -> None:
+                chances: list[float] | None = None, requested: int | None = None) -> None:
         if state is None:
             return
         if source is None:
@@ -194,7 +226,15 @@ class AdaptivePolicy(DraftPolicy):
             for src, rates in state.rates.items():
                 prior = self.prior.get(src, 0.5)
                 rates[:] = [r + relax * (prior - r) for r in rates]
+            for cont in state.continues.values():
+                cont[:] = [c + relax * (1.0 - c) for c in cont]
             return
+        if requested is not None:  # did the drafter carry on to the next draft, where asked to?
+            cont, pooled = self._continues(state, source), self._start_continues(source)
+            for i in range(min(drafted, min(requested, self.cap(source)) - 1, len(cont))):
+                hit = 1.0 if i + 1 < drafted else 0.0
+                cont[i] += LEARNING_RATE * (hit - cont[i])
+                pooled[i] += POOL_RATE * (hit - pooled[i])
         state.sampled |= chances is not None
         rate = SAMPLED_LEARNING_RATE if state.sampled else LEARNING_RATE
         rates, pooled = self._rates(state, source), self._start(source)

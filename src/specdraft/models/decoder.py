@@ -15,12 +15,12 @@ from torch import nn
 from specdraft.config import SLIDING, ModelConfig
 from specdraft.kv_cache import SHORT_FORWARD, AttentionSpan, KVCache
 from specdraft.models.kernels.build import applies as kernels_apply
-from specdraft.models.kernels.decoder_layer import LayerWeights, decoder_layer, fusable, pointer, reads_cache
+from specdraft.models.kernels.decoder_layer import (LayerWeights, decoder_layer, fusable, parts_key, pointer,
+                                                    reads_cache)
 from specdraft.models.kernels.gated_act import KINDS as NATIVE_ACTIVATIONS
 from specdraft.models.kernels.qk_rope import MAX_HEAD_DIM, qk_rope_write
 from specdraft.models.kernels.rms_norm import residual_norms
 from specdraft.models.layers import GatedMLP, RMSNorm, attend, stack_linears
-from specdraft.models.quant import Fp16Linear
 from specdraft.models.rope import RopeTable, apply_rope
 from specdraft.models.target import AttentionLayout, CachedDecoder
 
@@ -152,23 +152,25 @@ class DecoderLayer(nn.Module):
         until a projection is replaced or a norm's weight changes (a decode step makes 18 calls)."""
         if x.shape[1] > SHORT_FORWARD or not isinstance(cache, KVCache) or not kernels_apply(x):
             return None
-        attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        norms = self._norms() + ([attn.q_norm, attn.k_norm] if attn.q_norm is not None else [])
-        tiles = [getattr(m, "tiles", None) for m in linears]  # `to()` or loading may replace them
-        key = tuple(map(id, linears + tuple(tiles))) + tuple(-1 if n.weight is None else n.weight._version
-                                                           for n in norms)
-        if self._fused is None or self._fused[0] != key:  # what it points into stays referenced with it
-            self._fused = (key, self._layer_weights() if self._fusable() else None, linears, tiles, norms)
+        attn = self.self_attn
+        linears, qk_norms = self._projections(), self._qk_norms()
+        key, tiles = parts_key(linears, self._norms() + qk_norms)
+        if self._fused is None or self._fused[0] != key:
+            self._fused = (key, self._layer_weights() if self._fusable() else None, linears, tiles, qk_norms)
         weights = self._fused[1]
         return weights if weights is not None and reads_cache(cache.k[slot], cache.v[slot], attn.head_dim) else None
 
     def _fusable(self) -> bool:
         """Whether decoder_layer.c computes this layer (see kernels.decoder_layer.fusable)."""
+        return fusable(self._projections(), self._norms(), self.mlp.act_name, self._qk_norms(), self.self_attn.head_dim)
+
+    def _projections(self) -> tuple:
         attn, mlp = self.self_attn, self.mlp
-        linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        k_ok = attn.k_norm is None or (attn.k_norm.weight is not None and attn.k_norm.native_ready())
-        return fusable(linears, self._norms(), mlp.act_name, attn.q_norm, attn.head_dim) and k_ok
+        return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+    def _qk_norms(self) -> list[RMSNorm]:
+        attn = self.self_attn
+        return [attn.q_norm, attn.k_norm] if attn.q_norm is not None else []
 
     def _layer_weights(self) -> LayerWeights:
         attn, mlp, sandwich = self.self_attn, self.mlp, self.sandwich

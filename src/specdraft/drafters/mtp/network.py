@@ -25,9 +25,10 @@ from specdraft.drafters.mtp.head import ClusteredHead
 from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models.kernels import build as kernels
 from specdraft.models.kernels.build import applies as kernels_apply
-from specdraft.models.kernels.decoder_layer import LayerWeights, decoder_layer, fusable, pointer, reads_cache
-from specdraft.models.kernels.gated_act import KINDS
+from specdraft.models.kernels.decoder_layer import (LayerWeights, decoder_layer, fusable, parts_key, pointer,
+                                                    reads_cache)
 from specdraft.models.kernels.fp16_gemv import takes as fp16_tiles_take
+from specdraft.models.kernels.gated_act import KINDS
 from specdraft.models.layers import GatedMLP, RMSNorm, attend
 from specdraft.models.quant import Fp16Linear
 from specdraft.models.rope import apply_rope
@@ -87,7 +88,6 @@ class DrafterBlock(nn.Module):
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         return x * self.layer_scalar
 
-
     def _norms(self) -> list[RMSNorm]:
         return [self.input_layernorm, self.post_attention_layernorm, self.pre_feedforward_layernorm,
                 self.post_feedforward_layernorm]
@@ -100,13 +100,12 @@ class DrafterBlock(nn.Module):
             return None
         attn, mlp = self.self_attn, self.mlp
         linears = (attn.q_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        norms = self._norms() + ([attn.q_norm] if attn.q_norm is not None else [])
-        tiles = [getattr(m, "tiles", None) for m in linears]
-        key = (tuple(map(id, linears + tuple(tiles))) + tuple(-1 if n.weight is None else n.weight._version for n in norms)
-               + (self.layer_scalar._version, ctx.scale, ctx.keys.shape[1]))
-        if self._fused is None or self._fused[0] != key:  # what it points into stays referenced with it
-            ok = fusable(linears, self._norms(), mlp.act_name, attn.q_norm, attn.head_dim)
-            self._fused = (key, self._layer_weights(ctx) if ok else None, linears, tiles, norms)
+        qk_norms = [attn.q_norm] if attn.q_norm is not None else []
+        key, tiles = parts_key(linears, self._norms() + qk_norms, self.layer_scalar._version, ctx.scale,
+                               ctx.keys.shape[1])
+        if self._fused is None or self._fused[0] != key:
+            ok = fusable(linears, self._norms(), mlp.act_name, qk_norms, attn.head_dim)
+            self._fused = (key, self._layer_weights(ctx) if ok else None, linears, tiles, qk_norms)
         weights = self._fused[1]
         return weights if weights is not None and reads_cache(ctx.keys, ctx.values, attn.head_dim) else None
 

@@ -46,7 +46,8 @@ def decoder_layer(weights: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin
     mask = mask.expand(b, 1, t, span_hi - span_lo)
     if mask.stride(-1) != 1:
         mask = mask.contiguous()
-    step = LayerStep(b, t, cos.data_ptr(), sin.data_ptr(), None if positions is None else positions.contiguous().data_ptr(), k_cache.data_ptr(),
+    positions = None if positions is None else positions.contiguous()
+    step = LayerStep(b, t, cos.data_ptr(), sin.data_ptr(), pointer(positions), k_cache.data_ptr(),
                      v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), span_lo, span_hi - span_lo,
                      mask.data_ptr(), mask.stride(0), mask.stride(2))
     lib = library()
@@ -58,18 +59,27 @@ def decoder_layer(weights: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin
     return out
 
 
-def fusable(linears, norms, act: str, q_norm, head_dim: int) -> bool:
+def fusable(linears, norms, act: str, qk_norms, head_dim: int) -> bool:
     """Whether decoder_layer.c computes a layer made of these parts: every projection holding
     fp16_gemv tiles, an activation gated_act.c takes, norms with float32 scales (or none) and one
-    eps, q/k norms with scales (or none)."""
+    eps, q/k norms (those the layer has) with scales."""
     from specdraft.models.kernels.gated_act import KINDS
     from specdraft.models.kernels.qk_rope import MAX_HEAD_DIM
     from specdraft.models.quant import Fp16Linear
 
-    qk_ok = q_norm is None or (q_norm.weight is not None and q_norm.native_ready())
+    qk_ok = all(n.weight is not None and n.native_ready() for n in qk_norms)
     return (all(type(m) is Fp16Linear and m.tiles is not None for m in linears) and qk_ok and act in KINDS
             and all(n.native_ready() for n in norms) and len({n.eps for n in norms}) == 1
             and head_dim <= MAX_HEAD_DIM)
+
+
+def parts_key(linears, norms, *extra) -> tuple[tuple, tuple]:
+    """(key, tiles): what a kept LayerWeights points into, as a key that changes when a projection
+    or its tiles are replaced (`to()`, loading) or a norm's weight is written; keep `tiles` (and
+    the modules) referenced with the weights so the ids stay theirs."""
+    tiles = tuple(getattr(m, "tiles", None) for m in linears)
+    versions = tuple(-1 if n.weight is None else n.weight._version for n in norms)
+    return tuple(map(id, tuple(linears) + tiles)) + versions + extra, tiles
 
 
 def reads_cache(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> bool:

@@ -1,4 +1,4 @@
-"""RMSNorm, optionally plus a residual, in one C call; the two norms between attention and MLP in another (rms_norm.c)."""
+"""RMSNorm (plus a residual) in one C call, the two norms between attention and MLP in another (rms_norm.c)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from specdraft.drafters.ngram import NgramDrafter
 from specdraft.loading import load_folder
 from specdraft.models import decoder
 from specdraft.models.kernels import build
-from specdraft.models.kernels.decoder_layer import decoder_layer
+from specdraft.models.kernels.decoder_layer import decoder_layer, decoder_stack
 from specdraft.models.quant import compact_weights
 from specdraft.models.kernels.attention import attend_short
 from specdraft.models.kernels.gated_act import gated_act
@@ -208,23 +208,58 @@ def test_model_with_kernels_matches_pytorch_ops(family: str, gemma_tiny: TinyMod
 @pytest.mark.parametrize("family", ["gemma", "llama"])
 def test_one_call_layer_gives_the_bits_of_the_per_op_kernels(family: str, gemma_tiny: TinyModel,
                                                              llama_tiny: TinyModel, monkeypatch) -> None:
-    """--weights fp16: decoder_layer.c strings together the same kernels as the per-op path, so a
-    decode (prefill, then one-token steps across the tiny Gemma's sliding window) gets the same bits."""
+    """--weights fp16: decoder_layer.c strings together the same kernels as the per-op path, and
+    decoder_stack runs it layer after layer, so a decode (prefill, then one-token steps across the
+    tiny Gemma's sliding window) gets the same bits every way."""
     tiny = gemma_tiny if family == "gemma" else llama_tiny
     model, _, _ = load_folder(tiny.folder, torch.float32, "cpu")
     compact_weights(model, "fp16")
+    assert one_call_bits_equal_per_op(model, prompts_of([20], tiny.cfg.vocab_size, seed=6)[0], monkeypatch)
+
+
+def one_call_bits_equal_per_op(model, prompt: list[int], monkeypatch, steps: int = 14) -> bool:
+    """Decode `prompt` (longer than a short forward: its prefill takes the per-op path) three
+    ways: every layer in one C call (decoder_stack), each layer in one call, each op its own call;
+    True if all give the same logits and tokens, each way having served every step."""
     assert all(layer._fusable() for layer in model.layers)
-    prompt = prompts_of([20], tiny.cfg.vocab_size, seed=6)[0]  # longer than a short forward: the per-op path
-    calls = []
-    monkeypatch.setattr(decoder, "decoder_layer", lambda *a: calls.append(1) or decoder_layer(*a))
-    got, got_tokens = _decode_logits(model, prompt, 14)
-    assert len(calls) == 14 * tiny.cfg.num_layers  # every step, every layer (the prefill takes the per-op path)
+    stacks, layers = [], []
+    monkeypatch.setattr(decoder, "decoder_stack", lambda *a: stacks.append(1) or decoder_stack(*a))
+    monkeypatch.setattr(decoder, "decoder_layer", lambda *a: layers.append(1) or decoder_layer(*a))
+    got, got_tokens = _decode_logits(model, prompt, steps)
+    assert (len(stacks), len(layers)) == (steps, 0)
+    monkeypatch.setattr(decoder.Transformer, "_layer_stack", lambda self, x, kv: None)
+    one, one_tokens = _decode_logits(model, prompt, steps)
+    assert (len(stacks), len(layers)) == (steps, steps * model.config.num_layers)
     monkeypatch.setattr(decoder.DecoderLayer, "_fusable", lambda self: False)
     for layer in model.layers:
         layer._fused = None
-    ref, ref_tokens = _decode_logits(model, prompt, 14)
-    assert len(calls) == 14 * tiny.cfg.num_layers
-    assert torch.equal(got, ref) and got_tokens == ref_tokens
+    ref, ref_tokens = _decode_logits(model, prompt, steps)
+    assert (len(stacks), len(layers)) == (steps, steps * model.config.num_layers)
+    return torch.equal(got, ref) and torch.equal(one, ref) and got_tokens == one_tokens == ref_tokens
+
+
+def test_layer_stack_follows_replaced_and_rewritten_weights(gemma_tiny: TinyModel) -> None:
+    """The kept LayerWeights are rebuilt when a projection is replaced or a norm written in place
+    (the Snapshot): the stack then computes what a fresh model with those weights computes."""
+    from specdraft.models.quant import Fp16Linear
+
+    model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
+    compact_weights(model, "fp16")
+    prompt = prompts_of([6], gemma_tiny.cfg.vocab_size, seed=8)[0]
+    before, _ = _decode_logits(model, prompt, 3)
+    with torch.no_grad():
+        model.layers[0].input_layernorm.weight.mul_(1.5)
+        down = model.layers[1].mlp.down_proj
+        model.layers[1].mlp.down_proj = Fp16Linear(torch.randn(down.out_features, down.in_features) * 0.05, None)
+    after, _ = _decode_logits(model, prompt, 3)
+    fresh, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
+    compact_weights(fresh, "fp16")
+    with torch.no_grad():
+        fresh.layers[0].input_layernorm.weight.mul_(1.5)
+        fresh.layers[1].mlp.down_proj = model.layers[1].mlp.down_proj
+    expected, _ = _decode_logits(fresh, prompt, 3)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, expected)
 
 
 def test_pytorch_reference_path_keeps_speculative_equal_to_plain(gemma_tiny: TinyModel, monkeypatch) -> None:

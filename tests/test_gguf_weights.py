@@ -251,3 +251,16 @@ def test_gguf_weights_need_a_gguf_source(tmp_path: Path, gemma_tiny) -> None:
         Runtime.load(str(gemma_tiny.folder), dtype="float32", weights="gguf", progress=False)
     with pytest.raises(SpecdraftError, match="float32"):
         Runtime.load(str(gemma_tiny.folder), dtype="bfloat16", weights="gguf", progress=False)
+
+
+@kernel
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+def test_one_call_layer_gives_the_bits_of_the_per_op_blocks(tmp_path: Path, monkeypatch, fmt: str) -> None:
+    """decoder_layer.c multiplies by GGUF blocks with block_gemv, as BlockLinear does (offsets: Q4_1)."""
+    from test_cpu_kernels import one_call_bits_equal_per_op
+    from specdraft.runtime import Runtime
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    model = Runtime.load(str(write_quantised_gguf(tmp_path / "tiny.gguf", fmt)), dtype="float32", weights="gguf",
+                         progress=False).model
+    assert one_call_bits_equal_per_op(model, prompts_of([20], model.config.vocab_size, seed=6)[0], monkeypatch, 10)

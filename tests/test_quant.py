@@ -70,6 +70,10 @@ def test_weights_choice_is_checked() -> None:
     assert resolve_weights("auto", cpu, BF16) == "int8"
     assert resolve_weights("auto", cpu, torch.float32) == "dtype"  # float32 asked for: the reference
     assert resolve_weights("auto", cpu, torch.float32, dtype_chosen=True) == ("fp16" if fp16_kernel_available() else "dtype")
+    # a model from a GGUF file whose blocks the C kernels read: its own blocks
+    assert resolve_weights("auto", cpu, torch.float32, dtype_chosen=True, gguf_blocks=True) == "gguf"
+    assert resolve_weights("auto", cpu, torch.float32, gguf_blocks=True) == "dtype"  # float32 asked for
+    assert resolve_weights("auto", cpu, BF16, dtype_chosen=True, gguf_blocks=True) == "int8"
     assert resolve_weights("dtype", cpu, torch.float32) == "dtype"
     assert resolve_weights("int8", cpu, torch.float32) == "int8"
     with pytest.raises(SpecdraftError, match="packed CPU kernels"):

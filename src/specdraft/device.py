@@ -57,23 +57,29 @@ def fp16_kernel_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_prepack_fp16")
 
 
-def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_chosen: bool = False) -> str:
+def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_chosen: bool = False,
+                    gguf_blocks: bool = False) -> str:
     """How weights are stored: `dtype` (as --dtype says), packed int8/int4, or fp16 (CPU only).
 
     auto = int8 on a CPU in bfloat16: it halves the bytes every step reads and its kernel gives
     a row the same bits whatever the number of rows (BENCHMARKS.md, weight formats). When
-    --dtype auto chose float32 (`dtype_chosen`: a CPU without bf16 units) auto = fp16: the int8
-    kernels are compute-bound there, FBGEMM's fp16 kernel reads half the bytes at float32's
-    arithmetic (and widths 2-4 cost it little more than one row: the drafters' verifications; the
-    gguf format's plain step is faster, its wide ones slower, BENCHMARKS.md). A float32 the user asked for stays unquantised: it is the exactness reference."""
+    --dtype auto chose float32 (`dtype_chosen`: a CPU without bf16 units) torch's int8 kernels
+    are compute-bound, so auto = gguf for a model from a GGUF file whose blocks the C kernels
+    read (`gguf_blocks`: the file's exact float32 weights in ~60% of fp16's bytes; a plain step
+    ~1.25x faster than fp16's, widths up to 4 too, BENCHMARKS.md), else fp16 (half of float32's
+    bytes at float32's arithmetic). A float32 the user asked for stays unquantised: it is the
+    exactness reference."""
     if name not in WEIGHT_CHOICES:
         raise SpecdraftError(f"unknown weights {name!r} (use {', '.join(WEIGHT_CHOICES)})")
     packable = device.type == "cpu" and dtype in PACKABLE_DTYPES
     if name == "auto":
         if packable and dtype == torch.bfloat16:
             return "int8"
-        if dtype_chosen and device.type == "cpu" and dtype == torch.float32 and fp16_kernel_available():
-            return "fp16"
+        if dtype_chosen and device.type == "cpu" and dtype == torch.float32:
+            if gguf_blocks:
+                return "gguf"
+            if fp16_kernel_available():
+                return "fp16"
         return "dtype"
     if name in ("int8", "int4") and not packable:
         raise SpecdraftError(f"--weights {name} runs on torch's packed CPU kernels; "

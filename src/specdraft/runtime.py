@@ -73,8 +73,11 @@ class Runtime:
         route decode/verify forwards through a torch.compile'd step (models/compile.py)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
-        fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto")
+        fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto")  # bad flags fail before any work
         folder = resolve_model(name_or_path, progress)
+        if weights == "auto":
+            fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto",
+                                  gguf_blocks=_has_blocks(name_or_path, folder))
         model, cfg, notes = load_folder(folder, dt, dev)
         notes += compact_weights(model, fmt, _source_blocks(name_or_path, folder) if fmt == "gguf" else None)
         if isinstance(getattr(model, "packed_head", None), Int8Head):
@@ -87,10 +90,12 @@ class Runtime:
 
     @property
     def verify_width_budget(self) -> int | None:
-        """The widest verification that costs about one row block: the packed int8/int4 kernels (and
-        the gguf kernel) stream the weights once per 4 rows, so on this CPU widths 2-4 cost 1.2-1.4x a plain step
-        and width 5 twice it (`specdraft steps`, BENCHMARKS.md). None: no such step in cost."""
-        return 4 if self.weights in ("int8", "int4", "gguf") else None
+        """The widest verification that costs about one row block: the packed int8/int4 kernels
+        stream the weights once per 4 rows, so on this CPU widths 2-4 cost 1.2-1.4x a plain step
+        and width 5 twice it (`specdraft steps`, BENCHMARKS.md). None: no such step in cost (the
+        C kernels of fp16 and gguf weights: their cost grows row by row, and the adaptive policy
+        reads it from its measurements)."""
+        return 4 if self.weights in ("int8", "int4") else None
 
     @property
     def speculate_below(self) -> int | None:
@@ -130,6 +135,16 @@ class Runtime:
         chosen = self.draft_policy(policy, progress) if drafter is not None else None
         return Engine(self.model, self.tokenizer, drafter, draft_tokens, speculate_below=self.speculate_below,
                       policy=chosen, **kwargs)
+
+
+def _has_blocks(name_or_path: str, folder: Path) -> bool:
+    """Whether --weights gguf can load this model here: blocks saved by the conversion or a GGUF
+    source, and the C kernels build."""
+    from specdraft.loading.gguf_blocks import BLOCKS_FILE
+    from specdraft.loading.presets import gguf_source
+    from specdraft.models.kernels import build
+
+    return ((folder / BLOCKS_FILE).exists() or gguf_source(name_or_path) is not None) and build.available()
 
 
 def _source_blocks(name_or_path: str, folder: Path) -> dict:

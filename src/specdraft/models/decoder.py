@@ -9,13 +9,16 @@ adds q/k/v biases; Qwen3 adds q/k norms. Parameter names follow the Hugging Face
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import nn
 
 from specdraft.config import SLIDING, ModelConfig
 from specdraft.kv_cache import SHORT_FORWARD, AttentionSpan, KVCache
 from specdraft.models.kernels.build import applies as kernels_apply
-from specdraft.models.kernels.decoder_layer import (LayerWeights, decoder_layer, fusable, parts_key, pointer,
+from specdraft.models.kernels.decoder_layer import (LayerStep, LayerWeights, Snapshot, decoder_layer, decoder_stack,
+                                                    fusable, layer_step, linear_weights, parts_key, pointer,
                                                     reads_cache)
 from specdraft.models.kernels.gated_act import KINDS as NATIVE_ACTIVATIONS
 from specdraft.models.kernels.qk_rope import MAX_HEAD_DIM, qk_rope_write
@@ -148,7 +151,7 @@ class DecoderLayer(nn.Module):
 
     def _fused_weights(self, x: torch.Tensor, cache, slot: int) -> LayerWeights | None:
         """The layer's weights for decoder_layer.c when this forward can take it: a short float32
-        CPU forward over a KVCache, every projection holding fp16_gemv tiles. Built once and kept
+        CPU forward over a KVCache, every projection fp16 tiles or GGUF blocks. Built once and kept
         until a projection is replaced or a norm's weight changes (a decode step makes 18 calls)."""
         if x.shape[1] > SHORT_FORWARD or not isinstance(cache, KVCache) or not kernels_apply(x):
             return None
@@ -188,10 +191,8 @@ class DecoderLayer(nn.Module):
             norm_post_mlp=pointer(self.post_feedforward_layernorm.native_scale()) if sandwich else None,
             q_norm=pointer(q_norm.native_scale()) if q_norm is not None else None,
             k_norm=pointer(attn.k_norm.native_scale()) if q_norm is not None else None,
-            qkv=attn.qkv_proj.tiles.data_ptr(), o=attn.o_proj.tiles.data_ptr(),
-            gate_up=mlp.gate_up_proj.tiles.data_ptr(), down=mlp.down_proj.tiles.data_ptr(),
-            qkv_bias=pointer(attn.qkv_proj.bias), o_bias=pointer(attn.o_proj.bias),
-            gate_up_bias=pointer(mlp.gate_up_proj.bias), down_bias=pointer(mlp.down_proj.bias))
+            qkv=linear_weights(attn.qkv_proj), o=linear_weights(attn.o_proj),
+            gate_up=linear_weights(mlp.gate_up_proj), down=linear_weights(mlp.down_proj))
 
     def _native(self, x: torch.Tensor) -> bool:
         norms = [self.post_attention_layernorm] + ([self.pre_feedforward_layernorm] if self.sandwich else [])
@@ -211,6 +212,7 @@ class Transformer(CachedDecoder):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.ropes = {t: RopeTable(p, cfg.head_dim, cfg.max_position_embeddings) for t, p in cfg.rope.items()}
         self.windows = {t: cfg.sliding_window if t == SLIDING else None for t in self.ropes}
+        self._stack = None  # (Snapshot of the layers, their LayerWeights or None): see _layer_stack
 
     # --- what the engine and the drafters use (models.target.TargetModel) -------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -255,8 +257,52 @@ class Transformer(CachedDecoder):
     def run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, kv, spans: dict[str, AttentionSpan]) -> torch.Tensor:
         x = self.embed(tokens)
         rope = {t: table.lookup(positions, x.dtype) for t, table in self.ropes.items()}
+        stack = self._layer_stack(x, kv)
+        if stack is not None:  # every layer in one C call (kernels/decoder_layer.c)
+            keep = []  # what the steps point into, alive until the call returns
+            steps = self._stack_steps(x, rope, kv, spans, keep)
+            return self.norm(decoder_stack(stack, steps, x))
         for i, layer in enumerate(self.layers):
             t = self.config.layer_types[i]
             cos, sin = rope[t]
             x = layer(x, cos, sin, kv, i, spans[t])
         return self.norm(x)
+
+    def _layer_stack(self, x: torch.Tensor, kv) -> ctypes.Array | None:
+        """Every layer's LayerWeights when each layer would take decoder_layer.c on this forward
+        (see DecoderLayer._fused_weights), built once and kept while a Snapshot of the layers
+        shows nothing replaced or written: checking it costs ~0.05 ms a step, the layers' own
+        keys ~1 ms."""
+        if x.shape[1] > SHORT_FORWARD or not isinstance(kv, KVCache) or not kernels_apply(x):
+            return None
+        if self._stack is None or not self._stack[0].unchanged():
+            layers = list(self.layers)
+            fused = None
+            if all(layer._fusable() for layer in layers):
+                fused = (LayerWeights * len(layers))(*[layer._layer_weights() for layer in layers])
+            # the norms' scales the weights point into: offset norms keep theirs until the weight changes
+            scales = [n.native_scale() for layer in layers for n in layer._norms() + layer._qk_norms()]
+            self._stack = (Snapshot(self.layers), fused, scales)
+        fused = self._stack[1]
+        d = self.config.head_dim
+        if fused is None or not all(reads_cache(kv.k[i], kv.v[i], d) for i in range(len(self.layers))):
+            return None
+        return fused
+
+    def _stack_steps(self, x: torch.Tensor, rope: dict, kv: KVCache, spans: dict[str, AttentionSpan],
+                     keep: list) -> ctypes.Array:
+        """Each layer's LayerStep: its type's rope rows, span and mask, its own cache slot."""
+        b, t, _ = x.shape
+        d = self.config.head_dim
+        by_type = {}
+        for kind, (cos, sin) in rope.items():
+            span = spans[kind]
+            by_type[kind] = layer_step(b, t, d, cos, sin, kv.positions, kv.k[0], kv.v[0], span.lo, span.hi,
+                                       span.mask, keep)
+        steps = (LayerStep * len(self.layers))()
+        for i, kind in enumerate(self.config.layer_types):
+            steps[i] = by_type[kind]
+            k, v = kv.k[i], kv.v[i]
+            steps[i].k_cache, steps[i].v_cache = k.data_ptr(), v.data_ptr()
+            steps[i].cache_sb, steps[i].cache_sh = k.stride(0), k.stride(1)
+        return steps

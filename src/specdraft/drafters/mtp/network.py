@@ -25,8 +25,8 @@ from specdraft.drafters.mtp.head import ClusteredHead
 from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models.kernels import build as kernels
 from specdraft.models.kernels.build import applies as kernels_apply
-from specdraft.models.kernels.decoder_layer import (LayerWeights, decoder_layer, fusable, parts_key, pointer,
-                                                    reads_cache)
+from specdraft.models.kernels.decoder_layer import (LayerWeights, decoder_layer, fusable, kernel_linear,
+                                                    linear_weights, parts_key, pointer, reads_cache)
 from specdraft.models.kernels.fp16_gemv import takes as fp16_tiles_take
 from specdraft.models.kernels.gated_act import KINDS
 from specdraft.models.layers import GatedMLP, RMSNorm, attend
@@ -122,10 +122,8 @@ class DrafterBlock(nn.Module):
             norm_pre_mlp=pointer(self.pre_feedforward_layernorm.native_scale()),
             norm_post_mlp=pointer(self.post_feedforward_layernorm.native_scale()),
             q_norm=pointer(q_norm.native_scale()) if q_norm is not None else None, k_norm=None,
-            qkv=attn.q_proj.tiles.data_ptr(), o=attn.o_proj.tiles.data_ptr(),
-            gate_up=mlp.gate_up_proj.tiles.data_ptr(), down=mlp.down_proj.tiles.data_ptr(),
-            qkv_bias=pointer(attn.q_proj.bias), o_bias=pointer(attn.o_proj.bias),
-            gate_up_bias=pointer(mlp.gate_up_proj.bias), down_bias=pointer(mlp.down_proj.bias))
+            qkv=linear_weights(attn.q_proj), o=linear_weights(attn.o_proj),
+            gate_up=linear_weights(mlp.gate_up_proj), down=linear_weights(mlp.down_proj))
 
 
 class DrafterBody(nn.Module):
@@ -165,13 +163,12 @@ class MTPNetwork(nn.Module):
 
 
 def fp16_like_target(net: MTPNetwork, target: nn.Module) -> bool:
-    """For inference next to a target with fp16 weights on the C kernel (--weights fp16): the
-    drafter's linears become fp16 tiles too (half the bytes, read by the same kernel; a draft step
+    """For inference next to a target whose linears run on the C kernels (--weights fp16 or gguf):
+    the drafter's linears become fp16 tiles (half the bytes, read by the fp16 kernel; a draft step
     is mostly its matmuls and its Python) and each MLP's gate and up one projection. Drafts may
     round differently from the float32 drafter's; what is emitted is still the target's. True
     if it did."""
-    if not kernels.available() or not any(isinstance(m, Fp16Linear) and m.tiles is not None
-                                          for m in target.modules()):
+    if not kernels.available() or not any(kernel_linear(m) for m in target.modules()):
         return False
     for layer in net.model.layers:
         layer.mlp.fuse_projections()

@@ -36,6 +36,7 @@ SIGNATURES = {  # name: argument types (every kernel returns nothing)
     "gated_act": [_PTR, _I64, _I64, _INT, _PTR, _INT],
     "fp16_gemv": [_PTR] * 4 + [_I64] * 3 + [_INT],
     "decoder_layer": [_PTR] * 5 + [_INT],
+    "decoder_stack": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT],
 }
 
 
@@ -74,6 +75,7 @@ def library() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.decoder_layer_scratch.argtypes, lib.decoder_layer_scratch.restype = [_PTR, _I64, _I64], _I64
+    lib.decoder_stack_scratch.argtypes, lib.decoder_stack_scratch.restype = [_PTR, _PTR, _I64], _I64
     lib.attend_work.argtypes, lib.attend_work.restype = [_I64] * 5, _I64
     return lib
 

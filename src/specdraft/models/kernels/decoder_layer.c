@@ -1,4 +1,4 @@
-/* One decoder layer's short forward (decode, verify, drafting) with fp16 weights, in one call.
+/* One decoder layer's short forward (decode, verify, drafting) in one call: fp16 or GGUF-block weights.
  *
  *     h = norm_in(x);  q, k, v = qkv(h);  q, k = rope(q_norm(q)), rope(k_norm(k));  cache <- k, v
  *     a = o(attention(q, cache))
@@ -14,6 +14,29 @@
  */
 #include "kernels.h"
 
+enum { LINEAR_FP16 = 0, LINEAR_BLOCKS = 1 };
+
+/* A projection's weights as one of the two kernels takes them. */
+typedef struct {
+    int kind;
+    const void *weights; /* fp16_gemv tiles, or block_gemv's int8 codes [N, K] */
+    const float *scales, *offsets; /* blocks: per group of `group` inputs (offsets may be NULL) */
+    int64_t group;
+    const float *bias; /* NULL: none */
+} Linear;
+
+/* y [M, N] = x [M, K] W^T + bias, as the layer's per-op path computes it (Fp16Linear, BlockLinear). */
+static void linear(const Linear *W, const float *x, float *y, int64_t M, int64_t N, int64_t K, int threads)
+{
+    if (W->kind == LINEAR_FP16) {
+        fp16_gemv(x, W->weights, W->bias, y, M, N, K, threads);
+        return;
+    }
+    block_gemv(x, W->weights, W->scales, W->offsets, y, M, N, K, W->group, threads);
+    if (W->bias)
+        for (int64_t i = 0; i < M * N; i++) y[i] += W->bias[i % N];
+}
+
 typedef struct {
     int64_t hidden, heads, kv_heads, head_dim, inter;
     int64_t qkv_kv_heads; /* K/V heads the qkv projection computes and the cache gets: kv_heads, or 0
@@ -22,8 +45,7 @@ typedef struct {
     float eps, qk_eps, scale, softcap, layer_scalar; /* layer_scalar: the output's factor (Gemma 4) */
     const float *norm_in, *norm_post_attn, *norm_pre_mlp, *norm_post_mlp; /* scales; NULL: none */
     const float *q_norm, *k_norm; /* NULL: no q/k norms */
-    const uint16_t *qkv, *o, *gate_up, *down; /* fp16_gemv tiles */
-    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* NULL: none */
+    Linear qkv, o, gate_up, down;
 } LayerWeights;
 
 /* Everything a forward of B rows x T tokens needs besides the weights. */
@@ -55,7 +77,7 @@ void decoder_layer(const LayerWeights *L, const LayerStep *S, const float *x, fl
     float *d = mm + M * L->inter, *work = d + M * H;
 
     rms_norm_rows(x, L->norm_in, 0, h, M, H, L->eps, threads);
-    fp16_gemv(h, L->qkv, L->qkv_bias, qkv, M, width, H, threads);
+    linear(&L->qkv, h, qkv, M, width, H, threads);
     qk_rope_write(qkv, M, S->T, L->heads, L->qkv_kv_heads, D, L->q_norm, L->k_norm, L->qk_eps, S->cos, S->sin,
                   S->positions, q, S->k_cache, S->cache_sb, S->cache_sh, S->v_cache, S->cache_sb, S->cache_sh,
                   threads);
@@ -63,11 +85,11 @@ void decoder_layer(const LayerWeights *L, const LayerStep *S, const float *x, fl
     attend_rows(q, S->T * qd, D, qd, S->k_cache + S->span_lo * D, S->v_cache + S->span_lo * D, S->cache_sb,
                 S->cache_sh, S->cache_sb, S->cache_sh, S->mask, S->mask_sb, S->mask_st, att, S->B, L->heads,
                 L->kv_heads, S->T, S->span_len, D, L->scale, L->softcap, work, threads);
-    fp16_gemv(att, L->o, L->o_bias, a, M, H, qd, threads);
+    linear(&L->o, att, a, M, H, qd, threads);
     residual_norms(a, L->sandwich, L->norm_post_attn, x, L->norm_pre_mlp, x_mid, h2, M, H, L->eps, threads);
-    fp16_gemv(h2, L->gate_up, L->gate_up_bias, gu, M, 2 * L->inter, H, threads);
+    linear(&L->gate_up, h2, gu, M, 2 * L->inter, H, threads);
     gated_act(gu, M, L->inter, L->act, mm, threads);
-    fp16_gemv(mm, L->down, L->down_bias, d, M, H, L->inter, threads);
+    linear(&L->down, mm, d, M, H, L->inter, threads);
     if (L->sandwich) {
         rms_norm_rows(d, L->norm_post_mlp, x_mid, out, M, H, L->eps, threads);
     } else {
@@ -75,4 +97,29 @@ void decoder_layer(const LayerWeights *L, const LayerStep *S, const float *x, fl
     }
     if (L->layer_scalar != 1.0f)
         for (int64_t i = 0; i < M * H; i++) out[i] *= L->layer_scalar;
+}
+
+/* Scratch floats decoder_stack needs: the largest layer's, and a hidden state between layers. */
+int64_t decoder_stack_scratch(const LayerWeights *L, const LayerStep *S, int64_t n)
+{
+    int64_t most = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t need = decoder_layer_scratch(&L[i], S[i].B * S[i].T, S[i].span_len);
+        most = need > most ? need : most;
+    }
+    return most + S[0].B * S[0].T * L[0].hidden;
+}
+
+/* n layers, layer i with weights L[i] and step S[i], each one decoder_layer call (the same bits as
+ * n calls from Python, without ~0.1 ms of Python between them). x [M, hidden] -> out [M, hidden]. */
+void decoder_stack(const LayerWeights *L, const LayerStep *S, int64_t n, const float *x, float *out, float *scratch,
+                   int threads)
+{
+    float *between = scratch, *work = scratch + S[0].B * S[0].T * L[0].hidden;
+    const float *in = x;
+    for (int64_t i = 0; i < n; i++) {
+        float *dst = (n - 1 - i) % 2 == 0 ? out : between; /* the last layer writes out */
+        decoder_layer(&L[i], &S[i], in, dst, work, threads);
+        in = dst;
+    }
 }

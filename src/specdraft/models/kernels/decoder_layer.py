@@ -1,4 +1,4 @@
-"""A decoder layer's short forward with fp16 weights in one C call (decoder_layer.c)."""
+"""A decoder layer's short forward in one C call (decoder_layer.c): fp16 tiles or GGUF blocks."""
 
 from __future__ import annotations
 
@@ -11,6 +11,32 @@ from specdraft.models.kernels.build import library
 _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 
 
+class Linear(ctypes.Structure):
+    """A projection as decoder_layer.c multiplies by it: fp16_gemv tiles or block_gemv blocks."""
+
+    _fields_ = [("kind", _INT), ("weights", _P), ("scales", _P), ("offsets", _P), ("group", _I64), ("bias", _P)]
+
+
+FP16_TILES, BLOCKS = 0, 1
+
+
+def linear_weights(m) -> Linear:
+    """The Linear of an Fp16Linear holding tiles or of a BlockLinear (see `kernel_linear`)."""
+    from specdraft.models.block_linear import BlockLinear
+
+    if type(m) is BlockLinear:
+        return Linear(BLOCKS, m.codes.data_ptr(), m.scales.data_ptr(), pointer(m.offsets), m.group, pointer(m.bias))
+    return Linear(FP16_TILES, m.tiles.data_ptr(), None, None, 0, pointer(m.bias))
+
+
+def kernel_linear(m) -> bool:
+    """Whether decoder_layer.c multiplies by this projection's weights as its forward does."""
+    from specdraft.models.block_linear import BlockLinear
+    from specdraft.models.quant import Fp16Linear
+
+    return (type(m) is Fp16Linear and m.tiles is not None) or type(m) is BlockLinear
+
+
 class LayerWeights(ctypes.Structure):
     """Pointers into the layer's own tensors: valid while those tensors live and stay in place."""
 
@@ -18,8 +44,8 @@ class LayerWeights(ctypes.Structure):
                 ("qkv_kv_heads", _I64), ("sandwich", _INT), ("act", _INT), ("eps", _F), ("qk_eps", _F),
                 ("scale", _F), ("softcap", _F), ("layer_scalar", _F),
                 ("norm_in", _P), ("norm_post_attn", _P), ("norm_pre_mlp", _P), ("norm_post_mlp", _P),
-                ("q_norm", _P), ("k_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
-                ("qkv_bias", _P), ("o_bias", _P), ("gate_up_bias", _P), ("down_bias", _P)]
+                ("q_norm", _P), ("k_norm", _P), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
+                ("down", Linear)]
 
 
 class LayerStep(ctypes.Structure):
@@ -32,6 +58,22 @@ def pointer(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def layer_step(b: int, t: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, span_lo: int, span_hi: int, mask: torch.Tensor,
+               keep: list) -> LayerStep:
+    """The LayerStep of a forward of b rows x t tokens (see decoder_layer); the tensors it points
+    into are appended to `keep`, which must outlive the call."""
+    cos, sin = cos.reshape(b * t, head_dim).contiguous(), sin.reshape(b * t, head_dim).contiguous()
+    mask = mask.expand(b, 1, t, span_hi - span_lo)
+    if mask.stride(-1) != 1:
+        mask = mask.contiguous()
+    positions = None if positions is None else positions.contiguous()
+    keep += [cos, sin, mask, positions]
+    return LayerStep(b, t, cos.data_ptr(), sin.data_ptr(), pointer(positions), k_cache.data_ptr(),
+                     v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), span_lo, span_hi - span_lo,
+                     mask.data_ptr(), mask.stride(0), mask.stride(2))
+
+
 def decoder_layer(weights: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   positions: torch.Tensor | None, k_cache: torch.Tensor, v_cache: torch.Tensor, span_lo: int,
                   span_hi: int, mask: torch.Tensor) -> torch.Tensor:
@@ -39,17 +81,9 @@ def decoder_layer(weights: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin
     k_cache, v_cache [B, kv_heads, capacity, head_dim] (same strides, head_dim contiguous) at
     `positions` [B, T] (None: query-only, nothing written); attends over keys [span_lo, span_hi)
     under mask [B, 1, T, span] bool."""
-    b, t, hidden = x.shape
-    d = weights.head_dim
-    x = x.contiguous()
-    cos, sin = cos.reshape(b * t, d).contiguous(), sin.reshape(b * t, d).contiguous()
-    mask = mask.expand(b, 1, t, span_hi - span_lo)
-    if mask.stride(-1) != 1:
-        mask = mask.contiguous()
-    positions = None if positions is None else positions.contiguous()
-    step = LayerStep(b, t, cos.data_ptr(), sin.data_ptr(), pointer(positions), k_cache.data_ptr(),
-                     v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), span_lo, span_hi - span_lo,
-                     mask.data_ptr(), mask.stride(0), mask.stride(2))
+    b, t, _ = x.shape
+    x, keep = x.contiguous(), []
+    step = layer_step(b, t, weights.head_dim, cos, sin, positions, k_cache, v_cache, span_lo, span_hi, mask, keep)
     lib = library()
     scratch = torch.empty(lib.decoder_layer_scratch(ctypes.byref(weights), b * t, span_hi - span_lo),
                           dtype=torch.float32)
@@ -59,16 +93,52 @@ def decoder_layer(weights: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin
     return out
 
 
+def decoder_stack(weights: ctypes.Array, steps: ctypes.Array, x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, hidden] through len(weights) layers, layer i as decoder_layer(weights[i], steps[i])
+    computes it (the same bits), in one C call."""
+    x, lib = x.contiguous(), library()
+    scratch = torch.empty(lib.decoder_stack_scratch(weights, steps, len(weights)), dtype=torch.float32)
+    out = torch.empty_like(x)
+    lib.decoder_stack(weights, steps, len(weights), x.data_ptr(), out.data_ptr(), scratch.data_ptr(),
+                      torch.get_num_threads())
+    return out
+
+
+class Snapshot:
+    """Every submodule, parameter and buffer of a module tree by identity, and each tensor's
+    version and storage, as they were when a C view of the tree (LayerWeights) was built.
+    `unchanged()` checks them with plain dict lookups (~0.1 us an entry), not nn.Module
+    attribute lookups, so a 18-layer step can ask it every time."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.entries, self.tensors = [], []
+        for m in module.modules():
+            for table in (m._modules, m._parameters, m._buffers):
+                for name, obj in table.items():
+                    self.entries.append((table, name, obj))
+                    if isinstance(obj, torch.Tensor):
+                        self.tensors.append((obj, _version(obj), obj.data_ptr()))
+
+    def unchanged(self) -> bool:
+        return (all(table.get(name) is obj for table, name, obj in self.entries)
+                and all(_version(t) == v and t.data_ptr() == p for t, v, p in self.tensors))
+
+
+def _version(t: torch.Tensor) -> int:
+    """A tensor's in-place write counter; inference tensors (made under torch.inference_mode)
+    keep none, and are only written in place under inference mode, which nothing here does."""
+    return -1 if t.is_inference() else t._version
+
+
 def fusable(linears, norms, act: str, qk_norms, head_dim: int) -> bool:
-    """Whether decoder_layer.c computes a layer made of these parts: every projection holding
-    fp16_gemv tiles, an activation gated_act.c takes, norms with float32 scales (or none) and one
+    """Whether decoder_layer.c computes a layer made of these parts: every projection fp16 tiles
+    or GGUF blocks (`kernel_linear`), an activation gated_act.c takes, norms with float32 scales (or none) and one
     eps, q/k norms (those the layer has) with scales."""
     from specdraft.models.kernels.gated_act import KINDS
     from specdraft.models.kernels.qk_rope import MAX_HEAD_DIM
-    from specdraft.models.quant import Fp16Linear
 
     qk_ok = all(n.weight is not None and n.native_ready() for n in qk_norms)
-    return (all(type(m) is Fp16Linear and m.tiles is not None for m in linears) and qk_ok and act in KINDS
+    return (all(kernel_linear(m) for m in linears) and qk_ok and act in KINDS
             and all(n.native_ready() for n in norms) and len({n.eps for n in norms}) == 1
             and head_dim <= MAX_HEAD_DIM)
 
@@ -77,7 +147,7 @@ def parts_key(linears, norms, *extra) -> tuple[tuple, tuple]:
     """(key, tiles): what a kept LayerWeights points into, as a key that changes when a projection
     or its tiles are replaced (`to()`, loading) or a norm's weight is written; keep `tiles` (and
     the modules) referenced with the weights so the ids stay theirs."""
-    tiles = tuple(getattr(m, "tiles", None) for m in linears)
+    tiles = tuple(getattr(m, "tiles", getattr(m, "codes", None)) for m in linears)
     versions = tuple(-1 if n.weight is None else n.weight._version for n in norms)
     return tuple(map(id, tuple(linears) + tiles)) + versions + extra, tiles
 

@@ -46,7 +46,7 @@ def test_auto_uses_it_and_greedy_text_is_unchanged(runtime):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_default_configuration_is_exact_too(batch: int):
     """What users run by default on this CPU (bfloat16 with int8 weights where it has bf16 units,
-    float32 with fp16 weights where not), not just float32: every drafter gives plain decoding's
+    float32 with the GGUF file's blocks where not), not just float32: every drafter gives plain decoding's
     greedy tokens, one prompt at a time and batched."""
     rt, ids, plain = default_runtime_and_plain()
     for kind in ("mtp+ngram", "mtp", "ngram"):
@@ -64,7 +64,10 @@ def default_runtime_and_plain() -> tuple[Runtime, list[list[int]], list]:
     """The default runtime, the test's prompts and their plain greedy outputs (computed once)."""
     if not _DEFAULT:
         rt = Runtime.load("gemma3-270m", "auto", "cpu", progress=False)
-        assert rt.weights == ("int8" if rt.dtype == torch.bfloat16 else "fp16")
+        from specdraft.models.kernels import build
+
+        float32_default = "gguf" if build.available() else "fp16"  # the preset comes from a GGUF file
+        assert rt.weights == ("int8" if rt.dtype == torch.bfloat16 else float32_default)
         ids = [rt.tokenizer.encode(p) for p in PROMPTS + ["Repeat after me: one two three, one two three,"]]
         _DEFAULT.extend([rt, ids, rt.engine().generate(ids, 40)])
     return tuple(_DEFAULT)

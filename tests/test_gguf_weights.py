@@ -83,7 +83,7 @@ def test_kernel_is_within_the_float32_bound_and_row_invariant(group: int, offset
 def test_block_linear_prompts_use_the_dequantised_weights() -> None:
     blocks = _blocks(96, 256, 32, True, seed=3)
     layer = block_linear.BlockLinear(blocks, torch.randn(96))
-    x = torch.randn(1, 20, 256)  # a prompt: more tokens than a short forward
+    x = torch.randn(1, block_linear.KERNEL_ROWS + 1, 256)  # a prompt: more rows than the kernel takes
     assert torch.equal(block_linear.block_dequantize(blocks), blocks.dequantized())
     assert torch.equal(layer(x), F.linear(x, blocks.dequantized(), layer.bias))
     step = layer(x[:, :1])  # a decode step: the kernel, the same numbers up to the sum's order

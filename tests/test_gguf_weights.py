@@ -264,3 +264,22 @@ def test_one_call_layer_gives_the_bits_of_the_per_op_blocks(tmp_path: Path, monk
     model = Runtime.load(str(write_quantised_gguf(tmp_path / "tiny.gguf", fmt)), dtype="float32", weights="gguf",
                          progress=False).model
     assert one_call_bits_equal_per_op(model, prompts_of([20], model.config.vocab_size, seed=6)[0], monkeypatch, 10)
+
+
+@kernel
+def test_screen_candidates_are_what_the_tensor_ops_keep() -> None:
+    """screen_candidates against `scores >= amax - 2 bound` row by row: the same tokens in order,
+    counts past the cap, none for a row holding a NaN (as the comparison against NaN gives)."""
+    from specdraft.models.kernels.int8_screen import screen_candidates
+
+    gen = torch.Generator().manual_seed(4)
+    scores = torch.randn(5, 1003, generator=gen)
+    scores[1, 17] = scores[1, 900] = 9.0  # a tie at the top
+    scores[3, 5] = float("nan")
+    bound = torch.tensor([0.5, 0.0, 2.0, 0.1, 0.3])
+    tokens, counts = screen_candidates(scores, bound, 40)
+    keep = scores >= (scores.amax(-1) - 2 * bound)[:, None]
+    assert counts.tolist() == keep.sum(-1).tolist() and counts[3] == 0 and counts[2] > 40
+    for m in range(5):
+        expected = keep[m].nonzero().flatten()[:40]
+        assert tokens[m, : len(expected)].tolist() == expected.tolist()

@@ -33,7 +33,7 @@ from specdraft.device import fp16_kernel_available
 from specdraft.models.block_linear import BlockLinear
 from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16
 from specdraft.models.kernels import build as kernels
-from specdraft.models.kernels.int8_screen import GROUP, int8_scores, quantize_rows, quantize_table
+from specdraft.models.kernels.int8_screen import GROUP, int8_scores, quantize_rows, quantize_table, screen_candidates
 from specdraft.models.quant import Fp16Linear
 
 _U = 2.0**-24  # float32 unit roundoff
@@ -110,16 +110,9 @@ class ScreenedHead(nn.Module):
         """hidden [..., H] -> argmax token ids [...] of the exact scores."""
         rows = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
         if self.int8_table is None:
-            keep = _candidates(*self._fine_screen(rows))
+            row_ids, token_ids = _candidates(*self._fine_screen(rows)).nonzero(as_tuple=True)
         else:
-            keep = _candidates(*self._int8_screen(rows))
-            # A flat row (near-uniform scores: random tokens, say) lets thousands of tokens within
-            # the int8 bound; rescoring them would cost more than the fine screen, whose bound is
-            # ~25x tighter. The choice is the row's own, so rows stay independent.
-            crowded = (keep.sum(-1) > self.crowded).nonzero().flatten()
-            if len(crowded):
-                keep[crowded] = _candidates(*self._fine_screen(rows[crowded]))
-        row_ids, token_ids = keep.nonzero(as_tuple=True)
+            row_ids, token_ids = self._int8_candidates(rows)
         table = self.weight[token_ids]
         table = table.half() if self.fp16_values else table  # the same rounding as the packed copy
         exact = (table.double() * rows[row_ids].double()).sum(-1)
@@ -131,6 +124,23 @@ class ScreenedHead(nn.Module):
         if lost.any():
             choice[lost] = F.linear(rows[lost], self.weight.to(rows.dtype)).argmax(-1)
         return choice.view(hidden.shape[:-1])
+
+    def _int8_candidates(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, token) pairs that can be each row's argmax, from the int8 screen (kernels in C: a
+        full-vocabulary tensor op per step cost ~0.3 ms a row)."""
+        cap = min(self.crowded, self.weight.shape[0])
+        tokens, counts = screen_candidates(*self._int8_screen(rows), cap)
+        # A flat row (near-uniform scores: random tokens, say) lets thousands of tokens within
+        # the int8 bound; rescoring them would cost more than the fine screen, whose bound is
+        # ~25x tighter. The choice is the row's own, so rows stay independent.
+        kept = torch.where(counts <= self.crowded, counts, 0)
+        row_ids = torch.arange(len(rows)).repeat_interleave(kept)
+        token_ids = tokens[torch.arange(cap)[None, :] < kept[:, None]]
+        crowded = (counts > self.crowded).nonzero().flatten()
+        if len(crowded):
+            fine_rows, fine_tokens = _candidates(*self._fine_screen(rows[crowded])).nonzero(as_tuple=True)
+            row_ids, token_ids = torch.cat([row_ids, crowded[fine_rows]]), torch.cat([token_ids, fine_tokens])
+        return row_ids, token_ids
 
     def _fine_screen(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Scores from the exact weights (gguf kernel) or the fp16 copy, and their bound per row."""

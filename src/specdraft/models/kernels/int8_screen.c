@@ -97,3 +97,56 @@ void q8_gemv(const int8_t *q, const float *t, const int8_t *codes, const float *
         }
     }
 }
+
+/* The tokens whose screened score can still be the row's maximum: per row m of scores [M, N],
+ * every n with scores[m, n] >= max_m - 2 bound[m] (float32, as `scores >= top - 2 * bound`
+ * computes it), in increasing n, the first `cap` of them into tokens [M, cap]; counts[m] is how
+ * many there are (past cap too: the caller screens a crowded row again). A row holding a NaN
+ * gets count 0, as the comparison against a NaN maximum gives. Two passes over a row (its
+ * maximum, then the candidates) instead of four full-vocabulary tensor ops. */
+void screen_candidates(const float *scores, const float *bound, int64_t M, int64_t N, int64_t cap, int64_t *tokens,
+                       int64_t *counts, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (M > 1)
+    for (int64_t m = 0; m < M; m++) {
+        const float *s = scores + m * N;
+        __m256 top = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+        int64_t n = 0;
+        for (; n + 8 <= N; n += 8) {
+            const __m256 v = _mm256_loadu_ps(s + n);
+            top = _mm256_max_ps(top, v);
+            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
+        float most = -INFINITY;
+        int has_nan = _mm256_movemask_ps(nan) != 0;
+        float lanes[8];
+        _mm256_storeu_ps(lanes, top);
+        for (int i = 0; i < 8; i++) most = lanes[i] > most ? lanes[i] : most;
+        for (; n < N; n++) {
+            has_nan |= isnan(s[n]);
+            most = s[n] > most ? s[n] : most;
+        }
+        if (has_nan) {
+            counts[m] = 0;
+            continue;
+        }
+        const float threshold = most - 2.0f * bound[m];
+        const __m256 t = _mm256_set1_ps(threshold);
+        int64_t count = 0;
+        for (n = 0; n + 8 <= N; n += 8) {
+            int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + n), t, _CMP_GE_OQ));
+            while (mask) {
+                const int i = __builtin_ctz(mask);
+                if (count < cap) tokens[m * cap + count] = n + i;
+                count++;
+                mask &= mask - 1;
+            }
+        }
+        for (; n < N; n++)
+            if (s[n] >= threshold) {
+                if (count < cap) tokens[m * cap + count] = n;
+                count++;
+            }
+        counts[m] = count;
+    }
+}

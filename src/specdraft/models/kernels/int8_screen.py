@@ -32,6 +32,20 @@ def int8_scores(q: torch.Tensor, t: torch.Tensor, codes: torch.Tensor, scales: t
     return out
 
 
+def screen_candidates(scores: torch.Tensor, bound: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For scores [M, N] float32 within bound [M] of the exact ones: (tokens [M, cap], counts [M])
+    with the first min(count, cap) entries of row m the tokens n, increasing, whose score is
+    >= max - 2 bound (the only ones whose exact score can be the row's maximum); counts go past
+    cap; a row with a NaN has none."""
+    m, n = scores.shape
+    tokens = torch.empty(m, cap, dtype=torch.long)
+    counts = torch.empty(m, dtype=torch.long)
+    bound = bound.float().contiguous()
+    library().screen_candidates(scores.data_ptr(), bound.data_ptr(), m, n, cap, tokens.data_ptr(), counts.data_ptr(),
+                                torch.get_num_threads())
+    return tokens, counts
+
+
 def quantize_table(weight: torch.Tensor, block: int = 8192) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """A table [N, K] (float32 or fp16) -> int8 codes [N, K] and float32 scales [N, K/32], quantised
     as the hidden rows are, with the max over rows of ||w - s c|| and of ||s c|| (the screen's

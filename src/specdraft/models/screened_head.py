@@ -133,10 +133,11 @@ class ScreenedHead(nn.Module):
         # A flat row (near-uniform scores: random tokens, say) lets thousands of tokens within
         # the int8 bound; rescoring them would cost more than the fine screen, whose bound is
         # ~25x tighter. The choice is the row's own, so rows stay independent.
-        kept = torch.where(counts <= self.crowded, counts, 0)
+        is_crowded = counts > self.crowded
+        kept = counts.masked_fill(is_crowded, 0)
         row_ids = torch.arange(len(rows)).repeat_interleave(kept)
         token_ids = tokens[torch.arange(cap)[None, :] < kept[:, None]]
-        crowded = (counts > self.crowded).nonzero().flatten()
+        crowded = is_crowded.nonzero().flatten()
         if len(crowded):
             fine_rows, fine_tokens = _candidates(*self._fine_screen(rows[crowded])).nonzero(as_tuple=True)
             row_ids, token_ids = torch.cat([row_ids, crowded[fine_rows]]), torch.cat([token_ids, fine_tokens])

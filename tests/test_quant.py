@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import TinyModel, prompts_of
-from specdraft.device import fp16_kernel_available, resolve_weights
+from specdraft.device import fp16_kernel_available, resolve_dtype, resolve_weights
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.loading import load_folder
@@ -82,6 +82,20 @@ def test_weights_choice_is_checked() -> None:
         resolve_weights("fp16", cpu, BF16)
     with pytest.raises(SpecdraftError, match="unknown weights"):
         resolve_weights("int3", cpu, BF16)
+
+
+@pytest.mark.parametrize("bf16_units", [True, False])
+def test_auto_dtype_is_float32_where_the_weights_run_float32_kernels(monkeypatch, bf16_units: bool) -> None:
+    """A model with GGUF blocks the C kernels read gets float32 + gguf on any CPU, bf16 units or not."""
+    monkeypatch.setattr("specdraft.device.cpu_has_bf16_units", lambda: bf16_units)
+    cpu, default = torch.device("cpu"), BF16 if bf16_units else torch.float32
+    assert resolve_dtype("auto", cpu) == default
+    assert resolve_dtype("auto", cpu, "int8") == default
+    assert resolve_dtype("auto", cpu, "auto", gguf_blocks=True) == torch.float32
+    assert resolve_dtype("auto", cpu, "gguf") == torch.float32
+    assert resolve_dtype("auto", cpu, "fp16") == torch.float32
+    assert resolve_dtype("bfloat16", cpu, "auto", gguf_blocks=True) == BF16  # asked for: kept
+    assert resolve_weights("auto", cpu, resolve_dtype("auto", cpu, "auto", True), True, True) == "gguf"
 
 
 def packed_tiny(tiny: TinyModel, fmt: str, dtype: torch.dtype = BF16):

@@ -34,8 +34,17 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+FLOAT32_WEIGHTS = ("fp16", "gguf")  # formats whose CPU kernels compute in float32
+
+
+def resolve_dtype(name: str, device: torch.device, weights: str = "auto", gguf_blocks: bool = False) -> torch.dtype:
+    """auto = bfloat16 on CUDA or on CPUs with bf16 units, else float32; but float32 on any CPU
+    where the weights run on float32 kernels: --weights fp16 or gguf, or weights auto for a model
+    whose GGUF blocks the C kernels read (`gguf_blocks`): on an AVX512-BF16 EPYC those steps
+    measured 1.6x faster than bfloat16 with int8 weights (BENCHMARKS.md), and float32 is exact."""
     if name == "auto":
+        if device.type == "cpu" and (weights in FLOAT32_WEIGHTS or (weights == "auto" and gguf_blocks)):
+            return torch.float32
         if device.type == "cuda" or cpu_has_bf16_units():
             return torch.bfloat16
         return torch.float32
@@ -61,14 +70,14 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_c
                     gguf_blocks: bool = False) -> str:
     """How weights are stored: `dtype` (as --dtype says), packed int8/int4, or fp16 (CPU only).
 
-    auto = int8 on a CPU in bfloat16: it halves the bytes every step reads and its kernel gives
-    a row the same bits whatever the number of rows (BENCHMARKS.md, weight formats). When
-    --dtype auto chose float32 (`dtype_chosen`: a CPU without bf16 units) torch's int8 kernels
-    are compute-bound, so auto = gguf for a model from a GGUF file whose blocks the C kernels
-    read (`gguf_blocks`: the file's exact float32 weights in ~60% of fp16's bytes; a plain step
-    ~1.25x faster than fp16's, widths up to 4 too, BENCHMARKS.md), else fp16 (half of float32's
-    bytes at float32's arithmetic). A float32 the user asked for stays unquantised: it is the
-    exactness reference."""
+    When --dtype auto chose float32 (`dtype_chosen`: any CPU for a model from a GGUF file whose
+    blocks the C kernels read, see resolve_dtype; else a CPU without bf16 units) auto = gguf for
+    such a model (`gguf_blocks`: the file's exact float32 weights in ~60% of fp16's bytes; a
+    plain step ~1.25x faster than fp16's, widths up to 4 too, BENCHMARKS.md), else fp16 (half of
+    float32's bytes at float32's arithmetic; torch's int8 kernels are compute-bound without bf16
+    units). auto = int8 on a CPU in bfloat16: it halves the bytes every step reads and its kernel
+    gives a row the same bits whatever the number of rows (BENCHMARKS.md, weight formats). A
+    float32 the user asked for stays unquantised: it is the exactness reference."""
     if name not in WEIGHT_CHOICES:
         raise SpecdraftError(f"unknown weights {name!r} (use {', '.join(WEIGHT_CHOICES)})")
     packable = device.type == "cpu" and dtype in PACKABLE_DTYPES

@@ -72,12 +72,13 @@ class Runtime:
         """Load a target. weights: auto | dtype | int8 | int4 | fp16 (device.resolve_weights); compile:
         route decode/verify forwards through a torch.compile'd step (models/compile.py)."""
         dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev)
+        dt = resolve_dtype(dtype, dev, weights)
         fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto")  # bad flags fail before any work
         folder = resolve_model(name_or_path, progress)
         if weights == "auto":
-            fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto",
-                                  gguf_blocks=_has_blocks(name_or_path, folder))
+            blocks = _has_blocks(name_or_path, folder)
+            dt = resolve_dtype(dtype, dev, weights, gguf_blocks=blocks)
+            fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto", gguf_blocks=blocks)
         model, cfg, notes = load_folder(folder, dt, dev)
         notes += compact_weights(model, fmt, _source_blocks(name_or_path, folder) if fmt == "gguf" else None)
         if isinstance(getattr(model, "packed_head", None), Int8Head):

@@ -13,9 +13,10 @@ from specdraft.errors import SpecdraftError
 DRAFTER_KINDS = ("auto", "none", "mtp", "mtp+ngram", "ngram", "draft-model")
 # What holds today (README, "Exactness", says the same): rewrite both once bf16 verify is exact.
 EXACTNESS = ("Greedy text is identical with and without a drafter, token for token, in float32 and in the "
-             "default CPU configurations (bfloat16 with int8 weights; on CPUs without bf16 units float32 with "
-             "the GGUF file's blocks or fp16 weights: their kernels compute each row the same way at any "
-             "width). With --weights dtype in bfloat16, or on CUDA, a multi-token verify pass can "
+             "default CPU configurations (float32 with the GGUF file's blocks for the presets and .gguf files; "
+             "for other models bfloat16 with int8 weights, or float32 with fp16 weights on CPUs without bf16 "
+             "units: their kernels compute each row the same way at any width). With --weights dtype in "
+             "bfloat16, or on CUDA, a multi-token verify pass can "
              "round differently from a one-token step, so at a near-tie greedy text can part from plain "
              "decoding (about 1 prompt in 3 on Spec-Bench with bf16 weights). Sampled text follows the "
              "target's distribution.")
@@ -30,17 +31,20 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help=f"preset name (see `specdraft models`), a Hugging Face folder (config.json + "
                         f"*.safetensors + tokenizer.json) or a .gguf file (default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="weights and activations; auto = bfloat16 on CUDA or on CPUs with AMX/AVX512-BF16, "
-                        "else float32 (float32 is the exactness reference)")
+                   help="weights and activations; auto = float32 on a CPU for a model from a GGUF file (with "
+                        "--weights auto: its own blocks, the fastest CPU path measured) or with --weights fp16/gguf; "
+                        "else bfloat16 on CUDA or on CPUs with AMX/AVX512-BF16, else float32 (float32 is the "
+                        "exactness reference)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (auto = cuda when available)")
     p.add_argument("--weights", default="auto", choices=list(WEIGHT_CHOICES),
-                   help="how weights are stored: auto = int8 on a CPU in bfloat16; where --dtype auto chose float32 "
-                        "(CPUs without bf16 units) gguf for a model from a GGUF file (the presets), else fp16; "
+                   help="how weights are stored: auto = gguf for a model from a GGUF file (the presets) on a CPU "
+                        "with --dtype auto; else int8 on a CPU in bfloat16, fp16 where --dtype auto chose float32 "
+                        "(CPUs without bf16 units); "
                         "otherwise as --dtype; int8: one scale per row, near-lossless (KL 0.005 vs bf16 "
                         "on gemma3-270m) and half the bytes; int4: a quarter of the bytes, measurably worse (KL 0.24); "
                         "fp16: half of float32's bytes, float32 arithmetic (x86 CPUs, --dtype float32); "
                         "gguf: a GGUF model's own quantised blocks, multiplied as the float32 model's exact weights "
-                        "(presets and .gguf files; x86 CPUs with AVX2, --dtype float32; builds a small C kernel once): "
+                        "(presets and .gguf files; x86 CPUs with AVX2, float32; builds a small C kernel once): "
                         "~1.25x faster steps than fp16 up to 4 tokens wide; "
                         "dtype: unquantised (with --dtype float32: the exactness reference)")
     p.add_argument("--threads", type=int, default=None,

@@ -275,6 +275,7 @@ def test_without_a_compiler_the_model_runs_on_pytorch_ops(gemma_tiny: TinyModel,
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))  # no kernel built earlier
     build.library.cache_clear()
+    build.library_for.cache_clear()
     build.available.cache_clear()
     try:
         assert not build.available()
@@ -287,6 +288,7 @@ def test_without_a_compiler_the_model_runs_on_pytorch_ops(gemma_tiny: TinyModel,
         assert torch.equal(got, ref)  # the same ops: the same bits
     finally:
         build.library.cache_clear()
+        build.library_for.cache_clear()
         build.available.cache_clear()
 
 

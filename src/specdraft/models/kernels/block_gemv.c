@@ -8,8 +8,8 @@
  * same two roundings and accumulates w * x in float32: the products are the float32 model's, only
  * the order of the sum is the kernel's own.
  *
- * Row invariance: every (output, row) pair is summed in one fixed order (two 8-lane
- * accumulators, for the even and the odd 8-input chunks, then a fixed horizontal sum), whatever the number of
+ * Row invariance: every (output, row) pair is summed in one fixed order (two 8-lane, or on
+ * AVX-512 16-lane, accumulators for the even and the odd chunks, then a fixed horizontal sum), whatever the number of
  * rows M in the call and however outputs are tiled across threads. So a row's result never
  * depends on the rows computed beside it: a (K+1)-row verification gives each row the bits of a
  * one-row step.
@@ -20,7 +20,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-/* Two 8-lane accumulators per (output, row): the even and the odd 8-input chunks. Four gave no
+/* Two accumulators per (output, row): the even and the odd 8-input (16 on AVX-512) chunks. Four gave no
  * gain on a 2-core AVX2 EPYC; a 4-row block reads each weight row once per 4 rows and measured
  * fastest against 2 and 3 (BENCHMARKS.md). */
 #define ACCS 2
@@ -39,27 +39,62 @@ static inline float hsum(const __m256 *acc) {
     return _mm_cvtss_f32(s);
 }
 
+#if defined(__AVX512F__)
+/* AVX-512: 16 lanes, two accumulators (the even and the odd 16-input chunks), then the
+ * compiler's fixed reduction. A different order from the AVX2 loop below, but one order for
+ * every row and every M, which is what row invariance needs. */
+#define LANES 16
+typedef __m512 vec;
+static inline vec widen(const int8_t *codes) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+}
+static inline float vsum(const vec *acc) { return _mm512_reduce_add_ps(_mm512_add_ps(acc[0], acc[1])); }
+#define VZERO _mm512_setzero_ps
+#define VSET1 _mm512_set1_ps
+#define VMUL _mm512_mul_ps
+#define VSUB _mm512_sub_ps
+#define VFMA _mm512_fmadd_ps
+#define VLOAD _mm512_loadu_ps
+#else
+#define LANES 8
+typedef __m256 vec;
+static inline vec widen(const int8_t *codes) { return widen8(codes); }
+static inline float vsum(const vec *acc) { return hsum(acc); }
+#define VZERO _mm256_setzero_ps
+#define VSET1 _mm256_set1_ps
+#define VMUL _mm256_mul_ps
+#define VSUB _mm256_sub_ps
+#define VFMA _mm256_fmadd_ps
+#define VLOAD _mm256_loadu_ps
+#endif
+
 /* One weight row (output n) against MB x rows (m0..), one function per MB so the accumulators
- * are a fixed-size array the compiler keeps in registers. */
+ * are a fixed-size array the compiler keeps in registers. K is a multiple of 16. */
 #define TILE(MB)                                                                                   \
 static void tile_##MB(const int8_t *codes, const float *scales, const float *offsets,               \
                       const float *x, float *y, int64_t n, int64_t m0, int64_t K, int64_t N,       \
                       int log2g) {                                                                 \
-    __m256 acc[MB][ACCS];                                                                          \
+    vec acc[MB][ACCS];                                                                             \
     for (int r = 0; r < MB; r++)                                                                   \
-        for (int a = 0; a < ACCS; a++) acc[r][a] = _mm256_setzero_ps();                            \
+        for (int a = 0; a < ACCS; a++) acc[r][a] = VZERO();                                        \
     const int8_t *c = codes + n * K;                                                               \
     const float *s = scales + n * (K >> log2g), *o = offsets ? offsets + n * (K >> log2g) : 0;     \
-    for (int64_t i = 0; i < K; i += 8 * ACCS) {                                                    \
+    int64_t i = 0;                                                                                 \
+    for (; i + LANES * ACCS <= K; i += LANES * ACCS) {                                             \
         for (int a = 0; a < ACCS; a++) {                                                           \
-            const int64_t ia = i + 8 * a;                                                          \
-            __m256 w = _mm256_mul_ps(_mm256_set1_ps(s[ia >> log2g]), widen8(c + ia));              \
-            if (o) w = _mm256_sub_ps(w, _mm256_set1_ps(o[ia >> log2g]));                           \
+            const int64_t ia = i + LANES * a;                                                      \
+            vec w = VMUL(VSET1(s[ia >> log2g]), widen(c + ia));                                    \
+            if (o) w = VSUB(w, VSET1(o[ia >> log2g]));                                             \
             for (int r = 0; r < MB; r++)                                                           \
-                acc[r][a] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (m0 + r) * K + ia), acc[r][a]); \
+                acc[r][a] = VFMA(w, VLOAD(x + (m0 + r) * K + ia), acc[r][a]);                      \
         }                                                                                          \
     }                                                                                              \
-    for (int r = 0; r < MB; r++) y[(m0 + r) * N + n] = hsum(acc[r]);                               \
+    for (; i < K; i += LANES) { /* AVX-512 with K = 32j + 16 (groups of 16) */                    \
+        vec w = VMUL(VSET1(s[i >> log2g]), widen(c + i));                                          \
+        if (o) w = VSUB(w, VSET1(o[i >> log2g]));                                                  \
+        for (int r = 0; r < MB; r++) acc[r][0] = VFMA(w, VLOAD(x + (m0 + r) * K + i), acc[r][0]);  \
+    }                                                                                              \
+    for (int r = 0; r < MB; r++) y[(m0 + r) * N + n] = vsum(acc[r]);                               \
 }
 
 TILE(1)

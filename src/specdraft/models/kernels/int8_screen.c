@@ -14,6 +14,7 @@
  * Every (token, row) pair is summed in one fixed order whatever the number of rows M.
  */
 #include <math.h>
+#include <stdlib.h>
 
 #include "simd.h"
 
@@ -76,6 +77,84 @@ TILE(2)
 TILE(3)
 TILE(4)
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+/* AVX-512 VNNI: one vpdpbusd multiplies 64 bytes (two groups) and sums them in fours to 16 int32
+ * lanes, lanes 0-7 the even group, 8-15 the odd one. It takes unsigned x signed bytes, so the
+ * rows arrive as q + 128 (`shifted`) and each lane takes back 128 x (the table row's four codes):
+ * the same exact integers as above. Each lane then adds its group's I x (s t) as above; a row's
+ * sum order is fixed (lanes across pairs, a last odd group on 8 lanes, the reductions), the
+ * bound's gamma_(G+5) still covers its depth (screened_head.py). */
+static inline __m512 pair_of(float even, float odd) {
+    return _mm512_insertf32x8(_mm512_set1_ps(even), _mm256_set1_ps(odd), 1);
+}
+
+#define TILE512(MB)                                                                                   \
+static void tile512_##MB(const int8_t *shifted, const __m512 *tpair, const int8_t *q, const float *t,   \
+                         const int8_t *codes, const float *scales, float *y, int64_t n, int64_t m0,      \
+                         int64_t K, int64_t N) {                                                         \
+    const int64_t G = K / GROUP, P = G / 2;                                                           \
+    const int8_t *c = codes + n * K;                                                                  \
+    const float *s = scales + n * G;                                                                  \
+    const __m512i excess = _mm512_set1_epi8((char)0x80);                                              \
+    __m512 acc[MB];                                                                                   \
+    for (int r = 0; r < MB; r++) acc[r] = _mm512_setzero_ps();                                        \
+    for (int64_t p = 0; p < P; p++) {                                                                 \
+        const __m512i w = _mm512_loadu_si512((const void *)(c + p * 64));                             \
+        const __m512i back = _mm512_dpbusd_epi32(_mm512_setzero_si512(), excess, w);                  \
+        const __m512 sv = pair_of(s[2 * p], s[2 * p + 1]);                                            \
+        for (int r = 0; r < MB; r++) {                                                                \
+            const __m512i x = _mm512_loadu_si512((const void *)(shifted + (m0 + r) * K + p * 64));    \
+            const __m512i dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), x, w), back); \
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sv, tpair[(m0 + r) * P + p]), acc[r]); \
+        }                                                                                             \
+    }                                                                                                 \
+    for (int r = 0; r < MB; r++) {                                                                    \
+        float sum = _mm512_reduce_add_ps(acc[r]);                                                     \
+        if (G & 1) { /* the last group of an odd count, as the AVX2 loop does it */                  \
+            const int64_t g = G - 1;                                                                  \
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(c + g * GROUP));                   \
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(q + (m0 + r) * K + g * GROUP));    \
+            const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w),       \
+                                                   _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));    \
+            sum += hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(s[g] * t[(m0 + r) * G + g]))); \
+        }                                                                                             \
+        y[(m0 + r) * N + n] = sum;                                                                    \
+    }                                                                                                 \
+}
+
+TILE512(1)
+TILE512(2)
+TILE512(3)
+TILE512(4)
+
+void q8_gemv(const int8_t *q, const float *t, const int8_t *codes, const float *scales, float *y, int64_t M,
+             int64_t N, int64_t K, int threads)
+{
+    const int64_t G = K / GROUP, P = G / 2;
+    int8_t *shifted = malloc(M * K);
+    __m512 *tpair = aligned_alloc(64, sizeof(__m512) * (M * P + 1));
+    for (int64_t i = 0; i < M * K; i++) shifted[i] = (int8_t)(q[i] ^ 0x80);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t p = 0; p < P; p++) tpair[m * P + p] = pair_of(t[m * G + 2 * p], t[m * G + 2 * p + 1]);
+    const int64_t chunk = 64, tasks = (N + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t n0 = task * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+            const int64_t mb = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
+            for (int64_t n = n0; n < n1; n++)
+                switch (mb) {
+                case 1: tile512_1(shifted, tpair, q, t, codes, scales, y, n, m0, K, N); break;
+                case 2: tile512_2(shifted, tpair, q, t, codes, scales, y, n, m0, K, N); break;
+                case 3: tile512_3(shifted, tpair, q, t, codes, scales, y, n, m0, K, N); break;
+                default: tile512_4(shifted, tpair, q, t, codes, scales, y, n, m0, K, N); break;
+                }
+        }
+    }
+    free(shifted);
+    free(tpair);
+}
+#else
 /* q [M, K] int8 and t [M, K/32] (from q8_quantize_rows), codes [N, K] int8, scales [N, K/32]
  * float32 -> y [M, N] float32. K a multiple of 32. */
 void q8_gemv(const int8_t *q, const float *t, const int8_t *codes, const float *scales, float *y, int64_t M,
@@ -97,6 +176,7 @@ void q8_gemv(const int8_t *q, const float *t, const int8_t *codes, const float *
         }
     }
 }
+#endif
 
 /* The tokens whose screened score can still be the row's maximum: per row m of scores [M, N],
  * every n with scores[m, n] >= max_m - 2 bound[m] (float32, as `scores >= top - 2 * bound`

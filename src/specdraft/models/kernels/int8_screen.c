@@ -49,11 +49,22 @@ void q8_quantize_rows(const float *x, int64_t M, int64_t K, int8_t *q, float *t,
     }
 }
 
+/* The hidden rows as the tiles read them: codes q and scales t (q8_quantize_rows), and for the
+ * VNNI loop below q + 128 and the scales in pairs, prepared once per call. */
+typedef struct {
+    const int8_t *q;
+    const float *t;
+    int8_t *shifted;
+    void *tpair;
+} Rows;
+
 /* One table row n against MB rows from m0: per group, 32 byte products summed to 8 int32 lanes
  * (exact), widened and accumulated with the group's scale s * t in float32. */
 #define TILE(MB)                                                                                       \
-static void tile_##MB(const int8_t *q, const float *t, const int8_t *codes, const float *scales, float *y, \
+static void tile_##MB(const Rows *rows, const int8_t *codes, const float *scales, float *y,            \
                       int64_t n, int64_t m0, int64_t K, int64_t N) {                                  \
+    const int8_t *q = rows->q;                                                                         \
+    const float *t = rows->t;                                                                          \
     const int64_t G = K / GROUP;                                                                       \
     const int8_t *c = codes + n * K;                                                                   \
     const float *s = scales + n * G;                                                                   \
@@ -89,9 +100,11 @@ static inline __m512 pair_of(float even, float odd) {
 }
 
 #define TILE512(MB)                                                                                   \
-static void tile512_##MB(const int8_t *shifted, const __m512 *tpair, const int8_t *q, const float *t,   \
-                         const int8_t *codes, const float *scales, float *y, int64_t n, int64_t m0,      \
-                         int64_t K, int64_t N) {                                                         \
+static void tile512_##MB(const Rows *rows, const int8_t *codes, const float *scales, float *y,         \
+                         int64_t n, int64_t m0, int64_t K, int64_t N) {                                  \
+    const int8_t *q = rows->q, *shifted = rows->shifted;                                              \
+    const float *t = rows->t;                                                                         \
+    const __m512 *tpair = rows->tpair;                                                                \
     const int64_t G = K / GROUP, P = G / 2;                                                           \
     const int8_t *c = codes + n * K;                                                                  \
     const float *s = scales + n * G;                                                                  \
@@ -127,39 +140,31 @@ TILE512(2)
 TILE512(3)
 TILE512(4)
 
-void q8_gemv(const int8_t *q, const float *t, const int8_t *codes, const float *scales, float *y, int64_t M,
-             int64_t N, int64_t K, int threads)
-{
+static Rows prepare_rows(const int8_t *q, const float *t, int64_t M, int64_t K) {
     const int64_t G = K / GROUP, P = G / 2;
-    int8_t *shifted = malloc(M * K);
-    __m512 *tpair = aligned_alloc(64, sizeof(__m512) * (M * P + 1));
-    for (int64_t i = 0; i < M * K; i++) shifted[i] = (int8_t)(q[i] ^ 0x80);
+    Rows rows = {q, t, malloc(M * K), aligned_alloc(64, sizeof(__m512) * (M * P + 1))};
+    __m512 *tpair = rows.tpair;
+    for (int64_t i = 0; i < M * K; i++) rows.shifted[i] = (int8_t)(q[i] ^ 0x80);
     for (int64_t m = 0; m < M; m++)
         for (int64_t p = 0; p < P; p++) tpair[m * P + p] = pair_of(t[m * G + 2 * p], t[m * G + 2 * p + 1]);
-    const int64_t chunk = 64, tasks = (N + chunk - 1) / chunk;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t task = 0; task < tasks; task++) {
-        const int64_t n0 = task * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
-        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-            const int64_t mb = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
-            for (int64_t n = n0; n < n1; n++)
-                switch (mb) {
-                case 1: tile512_1(shifted, tpair, q, t, codes, scales, y, n, m0, K, N); break;
-                case 2: tile512_2(shifted, tpair, q, t, codes, scales, y, n, m0, K, N); break;
-                case 3: tile512_3(shifted, tpair, q, t, codes, scales, y, n, m0, K, N); break;
-                default: tile512_4(shifted, tpair, q, t, codes, scales, y, n, m0, K, N); break;
-                }
-        }
-    }
-    free(shifted);
-    free(tpair);
+    return rows;
 }
+#define TILE_OF(MB) tile512_##MB
 #else
+static Rows prepare_rows(const int8_t *q, const float *t, int64_t M, int64_t K) {
+    (void)M, (void)K;
+    Rows rows = {q, t, 0, 0};
+    return rows;
+}
+#define TILE_OF(MB) tile_##MB
+#endif
+
 /* q [M, K] int8 and t [M, K/32] (from q8_quantize_rows), codes [N, K] int8, scales [N, K/32]
  * float32 -> y [M, N] float32. K a multiple of 32. */
 void q8_gemv(const int8_t *q, const float *t, const int8_t *codes, const float *scales, float *y, int64_t M,
              int64_t N, int64_t K, int threads)
 {
+    Rows rows = prepare_rows(q, t, M, K);
     const int64_t chunk = 64, tasks = (N + chunk - 1) / chunk;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t task = 0; task < tasks; task++) {
@@ -168,15 +173,16 @@ void q8_gemv(const int8_t *q, const float *t, const int8_t *codes, const float *
             const int64_t mb = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
             for (int64_t n = n0; n < n1; n++)
                 switch (mb) { /* inlined tiles: a call through a pointer per row measured 10-25% slower */
-                case 1: tile_1(q, t, codes, scales, y, n, m0, K, N); break;
-                case 2: tile_2(q, t, codes, scales, y, n, m0, K, N); break;
-                case 3: tile_3(q, t, codes, scales, y, n, m0, K, N); break;
-                default: tile_4(q, t, codes, scales, y, n, m0, K, N); break;
+                case 1: TILE_OF(1)(&rows, codes, scales, y, n, m0, K, N); break;
+                case 2: TILE_OF(2)(&rows, codes, scales, y, n, m0, K, N); break;
+                case 3: TILE_OF(3)(&rows, codes, scales, y, n, m0, K, N); break;
+                default: TILE_OF(4)(&rows, codes, scales, y, n, m0, K, N); break;
                 }
         }
     }
+    free(rows.shifted);
+    free(rows.tpair);
 }
-#endif
 
 /* The tokens whose screened score can still be the row's maximum: per row m of scores [M, N],
  * every n with scores[m, n] >= max_m - 2 bound[m] (float32, as `scores >= top - 2 * bound`

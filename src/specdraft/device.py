@@ -95,10 +95,10 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_c
                              f"use --device cpu, or --weights dtype")
     if name == "gguf" and (device.type != "cpu" or dtype != torch.float32):
         raise SpecdraftError("--weights gguf runs a CPU kernel with float32 activations; "
-                             "use --device cpu --dtype float32 (or auto on a CPU without bf16 units)")
+                             "use --device cpu with --dtype float32 or auto")
     if name == "fp16" and (device.type != "cpu" or dtype != torch.float32 or not fp16_kernel_available()):
         raise SpecdraftError("--weights fp16 runs on FBGEMM's x86 CPU kernel with float32 activations; "
-                             "use --device cpu --dtype float32 on an x86 CPU, or --weights dtype")
+                             "use --device cpu with --dtype float32 or auto on an x86 CPU, or --weights dtype")
     return name
 
 

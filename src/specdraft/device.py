@@ -14,13 +14,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
 def cpu_has_bf16_units() -> bool:
     """True on CPUs with AMX or AVX512-BF16, where bf16 matmuls beat fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())
 
 
 def resolve_device(name: str) -> torch.device:

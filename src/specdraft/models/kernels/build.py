@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from specdraft.cache_dir import cache_root
+from specdraft.device import cpu_flags
 from specdraft.errors import SpecdraftError
 
 HERE = Path(__file__).resolve().parent
@@ -55,19 +56,9 @@ def _compiler() -> str:
     return os.environ.get("CC") or "cc"
 
 
-@lru_cache(maxsize=1)
-def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
-
-
 def avx512_here() -> bool:
     """Whether this CPU has every AVX-512 extension the wide loops use."""
-    return set(AVX512) <= _cpu_flags()
+    return set(AVX512) <= cpu_flags()
 
 
 @lru_cache(maxsize=1)

@@ -58,8 +58,15 @@ typedef struct {
     void *tpair;
 } Rows;
 
-/* One table row n against MB rows from m0: per group, 32 byte products summed to 8 int32 lanes
- * (exact), widened and accumulated with the group's scale s * t in float32. */
+/* One group's 32 byte products c * x summed in fours to 8 int32 lanes (exact): |c| as unsigned
+ * bytes (-128 -> 128) times x with c's sign. */
+static inline __m256i group_products(__m256i w, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w)),
+                             _mm256_set1_epi16(1));
+}
+
+/* One table row n against MB rows from m0: per group, the products widened and accumulated with
+ * the group's scale s * t in float32. */
 #define TILE(MB)                                                                                       \
 static void tile_##MB(const Rows *rows, const int8_t *codes, const float *scales, float *y,            \
                       int64_t n, int64_t m0, int64_t K, int64_t N) {                                  \
@@ -68,15 +75,13 @@ static void tile_##MB(const Rows *rows, const int8_t *codes, const float *scales
     const int64_t G = K / GROUP;                                                                       \
     const int8_t *c = codes + n * K;                                                                   \
     const float *s = scales + n * G;                                                                   \
-    const __m256i ones = _mm256_set1_epi16(1);                                                         \
     __m256 acc[MB];                                                                                    \
     for (int r = 0; r < MB; r++) acc[r] = _mm256_setzero_ps();                                         \
     for (int64_t g = 0; g < G; g++) {                                                                  \
         const __m256i w = _mm256_loadu_si256((const __m256i *)(c + g * GROUP));                        \
-        const __m256i aw = _mm256_sign_epi8(w, w); /* |c| as unsigned bytes (-128 -> 128) */           \
         for (int r = 0; r < MB; r++) {                                                                 \
             const __m256i x = _mm256_loadu_si256((const __m256i *)(q + (m0 + r) * K + g * GROUP));     \
-            const __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones); \
+            const __m256i p = group_products(w, x);                                                    \
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s[g] * t[(m0 + r) * G + g]), acc[r]); \
         }                                                                                              \
     }                                                                                                  \
@@ -127,8 +132,7 @@ static void tile512_##MB(const Rows *rows, const int8_t *codes, const float *sca
             const int64_t g = G - 1;                                                                  \
             const __m256i w = _mm256_loadu_si256((const __m256i *)(c + g * GROUP));                   \
             const __m256i x = _mm256_loadu_si256((const __m256i *)(q + (m0 + r) * K + g * GROUP));    \
-            const __m256i prod = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w),       \
-                                                   _mm256_sign_epi8(x, w)), _mm256_set1_epi16(1));    \
+            const __m256i prod = group_products(w, x);                                                \
             sum += hsum8(_mm256_mul_ps(_mm256_cvtepi32_ps(prod), _mm256_set1_ps(s[g] * t[(m0 + r) * G + g]))); \
         }                                                                                             \
         y[(m0 + r) * N + n] = sum;                                                                    \

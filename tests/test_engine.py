@@ -323,3 +323,51 @@ def test_lookup_in_a_loop_cycles_the_period(gemma_tiny, drafter_factory) -> None
     assert draft.num_valid.tolist() == [8] and draft.tokens[0].tolist() == [9, 7, 8, 9, 7, 8, 9, 7]
     alone = NgramDrafter().propose(inp, 8, SamplingParams(), None)
     assert alone.num_valid.tolist() == [3] and alone.tokens[0, :3].tolist() == [9, 7, 8]
+
+
+# --- greedy verification, the head scored a block of positions at a time --------------------------
+
+def _fake_head(weight: torch.Tensor, seen: list[int]):
+    """An argmax head over a fixed random table that records how many rows each call scored."""
+    def greedy_tokens(rows: torch.Tensor) -> torch.Tensor:
+        seen.append(rows.shape[0])
+        return (rows @ weight.T).argmax(-1)
+    return greedy_tokens
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 4, 8, 11])
+def test_blockwise_greedy_verification_gives_the_full_verdicts(k: int) -> None:
+    from specdraft.speculative.verify import verify_greedy, verify_greedy_blockwise
+
+    gen = torch.Generator().manual_seed(k)
+    weight = torch.randn(50, 16, generator=gen)
+    for trial in range(20):
+        b = 1 + trial % 5
+        hidden = torch.randn(b, k + 1, 16, generator=gen)
+        choice = (hidden @ weight.T).argmax(-1)
+        # drafts right up to a random point per row, then wrong (or right to the end)
+        drafts = choice[:, :k].clone()
+        for r in range(b):
+            cut = int(torch.randint(0, k + 1, (1,), generator=gen))
+            drafts[r, cut:] = (drafts[r, cut:] + 1) % 50
+        num_valid = torch.randint(0, k + 1, (b,), generator=gen)
+        seen: list[int] = []
+        got = verify_greedy_blockwise(_fake_head(weight, seen), hidden, drafts, num_valid)
+        want = verify_greedy(choice, drafts, num_valid)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert sum(seen) <= b * (k + 1)
+
+
+def test_blockwise_greedy_verification_stops_scoring_after_a_rejection() -> None:
+    from specdraft.speculative.verify import HEAD_BLOCK, verify_greedy_blockwise
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(50, 16, generator=gen)
+    hidden = torch.randn(2, 9, 16, generator=gen)  # a 9-wide lookup verification, 2 rows
+    choice = (hidden @ weight.T).argmax(-1)
+    drafts = choice[:, :8].clone()
+    drafts[0, 1] = (drafts[0, 1] + 1) % 50  # row 0 fails its second draft: one block of positions
+    seen: list[int] = []
+    n, nxt = verify_greedy_blockwise(_fake_head(weight, seen), hidden, drafts, torch.tensor([8, 8]))
+    assert n.tolist() == [1, 8] and nxt.tolist() == [int(choice[0, 1]), int(choice[1, 8])]
+    assert seen == [2 * HEAD_BLOCK, HEAD_BLOCK, 1]  # row 1 alone past the first block

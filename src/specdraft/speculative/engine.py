@@ -31,7 +31,7 @@ from specdraft.speculative.policy import DraftPolicy, FixedPolicy
 from specdraft.speculative.request import GenerationResult, Request, SamplingGroup
 from specdraft.speculative.stats import RequestStats, Timer
 from specdraft.speculative.stops import StopChecker
-from specdraft.speculative.verify import acceptance_chances, verify_greedy, verify_sampling
+from specdraft.speculative.verify import acceptance_chances, verify_greedy_blockwise, verify_sampling
 from specdraft.tokenizer import Tokenizer
 
 MAX_DRAFT_TOKENS = 32
@@ -407,7 +407,7 @@ class Engine:
 
     def _verify_group(self, hidden, drafts, num_valid, q, group: SamplingGroup):
         if group.params.greedy:  # only the argmax matters: no V-wide float32 logits
-            return *verify_greedy(self.model.greedy_tokens(hidden), drafts, num_valid), None
+            return *verify_greedy_blockwise(self.model.greedy_tokens, hidden, drafts, num_valid), None
         # Only the group's own drafts: its random draws then never depend on the round's width.
         width = int(num_valid.max()) if drafts.shape[1] else 0
         probs = probabilities(self.model.logits(hidden[:, : width + 1]), group.params)

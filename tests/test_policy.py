@@ -19,15 +19,18 @@ from specdraft.drafters.mtp_lookup import MTPWithLookup
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
-from specdraft.speculative.policy import (LEARNING_RATE, SAMPLED_LEARNING_RATE, SAMPLED_RELAX, AdaptivePolicy, FixedPolicy, MeasuredCosts, cost_key, monotone,
-                                          profiled_widths, row_buckets)
+from specdraft.speculative.verify import HEAD_BLOCK
+from specdraft.speculative.policy import (LEARNING_RATE, SAMPLED_LEARNING_RATE, SAMPLED_RELAX, AdaptivePolicy, FixedPolicy, MeasuredCosts, cost_key, head_sizes,
+                                          monotone, profiled_widths, row_buckets)
 
 
 class FakeCosts:
-    """Seconds from formulas: verify(n, w) and draft(n, steps); `ensure` is a no-op, counted."""
+    """Seconds from formulas: verify(n, w) (the head's blocks not told apart) and draft(n, steps);
+    `ensure` is a no-op, counted."""
 
     def __init__(self, verify, draft=lambda n, steps: 0.0):
-        self.verify, self.draft, self.ensured = verify, draft, 0
+        self.verify = lambda n, w, alive=None: verify(n, w)
+        self.draft, self.ensured = draft, 0
 
     def ensure(self, model, drafter, rows, k, width) -> None:
         self.ensured += 1
@@ -207,11 +210,13 @@ def test_cost_cache_round_trip(gemma_tiny, tmp_path):
     again.ensure(model, drafter, 3, 2, 2)
     assert again.profiled == 0
     assert again.target == first.target and again.drafts == first.drafts
+    assert set(first.head) == set(head_sizes(3)) and again.head == first.head
     clean = monotone(again.target)
-    assert 0 < again.verify(3, 2) and again.verify(1, 3) == clean[1][3] <= first.target[1][3]
+    assert clean[1][3] <= first.target[1][3]
+    assert again.verify(1, 3) == clean[1][3] + again.head_seconds(3)  # every row's 3 positions scored
     # 3 rows lie between the profiled 2 and 4
     lo, hi = sorted([clean[2][2], clean[4][2]])
-    assert lo <= again.verify(3, 2) <= hi
+    assert lo <= again.verify(3, 2) - again.head_seconds(6) <= hi
 
     wider = MeasuredCosts(key, tmp_path)
     wider.ensure(model, drafter, 3, 2, 4)  # longer rounds: only the missing widths are timed
@@ -222,6 +227,39 @@ def test_cost_cache_round_trip(gemma_tiny, tmp_path):
     assert MeasuredCosts({**key, "code": "an older forward"}, tmp_path).target == {}  # code changes re-profile too
     other.ensure(model, drafter, 1, 2, 2)
     assert other.profiled > 0 and other.path != first.path
+
+
+def _tabled_costs(tmp_path, forward: dict[int, float], head: dict[int, float]) -> MeasuredCosts:
+    costs = MeasuredCosts({"test": "tables"}, tmp_path)
+    costs.target, costs.head = {1: dict(forward)}, dict(head)
+    return costs
+
+
+def test_verify_cost_scores_later_blocks_only_for_rows_still_unrejected(tmp_path):
+    """Greedy verification scores positions a block at a time, later blocks only for rows whose
+    drafts so far were all accepted (verify_greedy_blockwise): the cost counts each block's head
+    for the expected rows that reach it."""
+    costs = _tabled_costs(tmp_path, {1: 1.0, 9: 3.0}, {1: 0.5, 2: 0.6, 4: 0.8})
+    assert costs.verify(1, 9) == 3.0 + 0.8 + 0.8 + 0.5  # every position: blocks of 4, 4 and 1
+    assert costs.verify(1, 9, [1.0, 0.5, 0.25]) == pytest.approx(3.0 + 0.8 + 0.5 * 0.8 + 0.25 * 0.5)
+    # two rows (past the tables: proportional): 8 head rows, then 1.5 x 4, then half a chance of 1
+    assert costs.verify(2, 9, [2.0, 1.5, 0.5]) == pytest.approx(2 * 3.0 + 0.8 * 8 / 4 + 0.8 * 6 / 4 + 0.5 * 0.5)
+    assert costs.verify(1, 5, [1.0, 0.0]) == pytest.approx(2.0 + 0.8)  # no row gets past position 4
+
+
+def test_cheap_rejections_make_long_lookups_pay(tmp_path):
+    """With a head as dear as the forward, a 9-wide lookup round that usually fails early costs
+    about one head block, not three: the policy takes it where a cost of every position's head
+    would keep the round short."""
+    costs = _tabled_costs(tmp_path, {1: 1.0, 9: 1.4}, {1: 1.0, 4: 1.0, 8: 2.0})
+    p = policy_for(costs, k=2, width=8, prior={"mtp": 0.1, "lookup": 0.8})
+    row = p.new_row("mtp", lookups=True, prompt=[5, 6, 7, 8])
+    p.extend(row, [5, 6])  # a lookup round comes next
+    assert p.choose([row]) > HEAD_BLOCK  # past the first block of positions
+    full = policy_for(FakeCosts(costs.verify), k=2, width=8, prior={"mtp": 0.1, "lookup": 0.8})
+    other = full.new_row("mtp", lookups=True, prompt=[5, 6, 7, 8])
+    full.extend(other, [5, 6])
+    assert full.choose([other]) < HEAD_BLOCK
 
 
 def test_cost_cache_ignores_a_file_with_another_key(gemma_tiny, tmp_path):

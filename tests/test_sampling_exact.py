@@ -395,7 +395,7 @@ class FakeCosts:
     def ensure(self, model, drafter, rows, k, width):
         pass
 
-    def verify(self, n, w):
+    def verify(self, n, w, alive=None):
         return 1.0 + 0.03 * (w - 1)
 
     def draft(self, n, steps):

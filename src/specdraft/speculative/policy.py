@@ -5,10 +5,12 @@ row 1 + sum_{i<=W} prod_{j<=i} a_j tokens on average (a_j: the chance draft j is
 drafts 1..j-1 were). The adaptive policy picks the W (0 = a plain step) with the most expected
 tokens per second, from
 
-- a cost model measured here: target forward seconds by (rows, width) and drafter seconds per
-  step, profiled once on scratch caches and kept on disk under $SPECDRAFT_CACHE/costs (or
-  $SPECDRAFT_COSTS_DIR), keyed by everything that changes them (model, weights, dtype, device,
-  torch, threads, CPU);
+- a cost model measured here: target forward seconds by (rows, width), greedy head seconds by
+  rows scored and drafter seconds per step, profiled once on scratch caches and kept on disk
+  under $SPECDRAFT_CACHE/costs (or $SPECDRAFT_COSTS_DIR), keyed by everything that changes them
+  (model, weights, dtype, device, torch, threads, CPU). Greedy verification scores the head a
+  block of positions at a time and only for rows still unrejected (verify_greedy_blockwise), so
+  a wide round's head costs what its expected surviving rows cost;
 - per-row acceptance estimates, one per draft source (prompt lookup and the MTP drafter accept
   very differently), updated from each round's accepted counts; for mtp+ngram, which source a
   row's next drafts come from is read off its emitted tokens (a lookup needs a repeated bigram).
@@ -24,6 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import platform
 import time
@@ -34,6 +37,7 @@ import torch
 from specdraft.drafters.base import Drafter, DraftInput
 from specdraft.models.kernels import build as kernels
 from specdraft.sampling import SamplingParams
+from specdraft.speculative.verify import HEAD_BLOCK
 
 # Conditional per-position acceptance before a row has any evidence. Optimistic on purpose: a
 # pessimistic prior would never draft and so never learn otherwise.
@@ -124,7 +128,8 @@ class RowAcceptance:
 
 class AdaptivePolicy(DraftPolicy):
     """W maximising expected tokens / (draft(W) + verify(n, W + 1)) each round (see the module doc).
-    `costs`: an object with ensure(model, drafter, rows, k, width), verify(n, w) -> seconds and
+    `costs`: an object with ensure(model, drafter, rows, k, width), verify(n, w, alive) -> seconds
+    (alive: the expected rows per block of head positions, see MeasuredCosts.verify) and
     draft(n, steps) -> seconds (MeasuredCosts here; tests pass their own)."""
 
     def __init__(self, costs, prior: dict[str, float] | None = None, margin: float = MARGIN):
@@ -200,6 +205,10 @@ class AdaptivePolicy(DraftPolicy):
         gains = [0.0] * (self.width + 1)
         widths = [0.0] * (self.width + 1)  # the round's verify width: its widest row's expected drafts
         steps = [0.0] * (self.width + 1)  # drafter steps: until its last row stops
+        # Expected rows whose drafts before each block of HEAD_BLOCK positions were all accepted:
+        # greedy verification scores only those positions with the head (verify_greedy_blockwise).
+        blockwise = not any(s.sampled for s in states)  # sampling scores every position (verify_sampling)
+        alive = [float(n)] + [0.0 if blockwise else float(n)] * (self.width // HEAD_BLOCK)
         for s in states:
             source = s.next_source
             tokens, drafts = self._expected(self._rates(s, source), self._continues(s, source))
@@ -208,10 +217,12 @@ class AdaptivePolicy(DraftPolicy):
                 widths[w] = max(widths[w], drafts[w])
                 if source != "lookup":  # when every row looks up, the drafter itself does not run
                     steps[w] = max(steps[w], min(drafts[w], self.k))
-        best, best_rate = 0, n / self.costs.verify(n, 1) * (1 + self.margin)
+            for b in range(HEAD_BLOCK, self.width + 1, HEAD_BLOCK) if blockwise else ():
+                alive[b // HEAD_BLOCK] += tokens[b] - tokens[b - 1]  # this row still unrejected there
+        best, best_rate = 0, n / self.costs.verify(n, 1, alive[:1]) * (1 + self.margin)
         for w in range(1, self.width + 1):
             draft = self.costs.draft(n, steps[w]) if steps[w] > 0 else 0.0
-            rate = gains[w] / (draft + self.costs.verify(n, widths[w] + 1))
+            rate = gains[w] / (draft + self.costs.verify(n, widths[w] + 1, alive))
             if rate > best_rate:
                 best, best_rate = w, rate
         return best
@@ -314,6 +325,12 @@ def row_buckets(rows: int) -> list[int]:
     return out
 
 
+def head_sizes(rows: int) -> list[int]:
+    """Rows the greedy head is timed for: 1 to HEAD_BLOCK (a verification's first block at batch 1),
+    then a block for each profiled batch size."""
+    return sorted(set(range(1, HEAD_BLOCK + 1)) | {HEAD_BLOCK * b for b in row_buckets(rows)})
+
+
 def profiled_widths(width: int) -> list[int]:
     """Query widths timed for rounds of up to `width` drafts: every one up to 6 (where packed
     kernels jump), then sparser (interpolated in between)."""
@@ -347,17 +364,20 @@ def monotone(target: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]
 
 
 class MeasuredCosts:
-    """Seconds per target forward by (rows, width) and per drafter step by rows, timed on this
-    machine the first time they are needed and cached as JSON (`key` + tables) in `folder`."""
+    """Seconds per target forward by (rows, width), per greedy head call by rows scored, and per
+    drafter step by rows, timed on this machine the first time they are needed and cached as
+    JSON (`key` + tables) in `folder`."""
 
     def __init__(self, key: dict, folder: Path | None = None, progress: bool = False):
         self.key, self.progress = key, progress
         digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         self.path = (folder or costs_dir()) / f"{digest}.json"
-        self.target: dict[int, dict[int, float]] = {}
+        self.target: dict[int, dict[int, float]] = {}  # the forward alone (layers, final norm)
+        self.head: dict[int, float] = {}  # model.greedy_tokens over that many hidden rows
         self.drafts: dict[str, dict[int, list[float]]] = {}  # drafter key -> rows -> [base s, per-step s]
         self.drafter = ""
         self._clean = None  # the target table with timing noise taken out (monotone), built on use
+        self._clean_head = None  # the same for the head
         self.profiled = 0  # cells timed by this process (tests read it)
         self._load()
 
@@ -369,18 +389,38 @@ class MeasuredCosts:
         if data.get("key") != self.key:  # a hash collision or a hand-edited file: trust nothing
             return
         self.target = {int(n): {int(w): s for w, s in t.items()} for n, t in data.get("target", {}).items()}
+        self.head = {int(m): s for m, s in data.get("head", {}).items()}
         self.drafts = {d: {int(n): v for n, v in t.items()} for d, t in data.get("drafts", {}).items()}
 
     def save(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"key": self.key, "target": self.target, "drafts": self.drafts}, indent=1))
+        tmp.write_text(json.dumps({"key": self.key, "target": self.target, "head": self.head, "drafts": self.drafts},
+                                  indent=1))
         tmp.replace(self.path)  # atomic: a concurrent reader sees the old table or the new one
 
-    def verify(self, n: int, w: int) -> float:
+    def verify(self, n: float, w: float, alive: list[float] | None = None) -> float:
+        """Seconds of a greedy verification of w positions for n rows: the forward, then the head
+        over the positions verify_greedy_blockwise scores: HEAD_BLOCK at a time, block b for
+        alive[b] rows (expected: those whose earlier drafts were all accepted; None: all n)."""
         if self._clean is None:
             self._clean = monotone(self.target)
-        return _interpolate({b: _interpolate(t, w) for b, t in self._clean.items()}, n)
+        forward = _interpolate({b: _interpolate(t, w) for b, t in self._clean.items()}, n)
+        if not self.head:
+            return forward
+        head = 0.0
+        for b, start in enumerate(range(0, math.ceil(w), HEAD_BLOCK)):
+            rows = n if alive is None else alive[b]
+            # below one row expected: that chance of the block for one row
+            head += min(1.0, rows) * self.head_seconds(max(1.0, rows) * min(HEAD_BLOCK, w - start))
+        return forward + head
+
+    def head_seconds(self, rows: float) -> float:
+        """The greedy head over `rows` hidden rows, interpolated (fewer than profiled: proportional)."""
+        if self._clean_head is None:  # more rows never cost less: noise only adds time
+            self._clean_head = {m: min(s for k, s in self.head.items() if k >= m) for m in self.head}
+        least = min(self._clean_head)
+        return self._clean_head[least] * rows / least if rows < least else _interpolate(self._clean_head, rows)
 
     def draft(self, n: int, steps: int) -> float:
         if steps == 0:
@@ -399,17 +439,21 @@ class MeasuredCosts:
         widths = profiled_widths(width)
         todo = [b for b in row_buckets(rows) if not set(widths) <= set(self.target.get(b, {}))
                 or b not in self.drafts.get(self.drafter, {})]
-        if not todo:
+        heads = [m for m in head_sizes(rows) if m not in self.head]
+        if not todo and not heads:
             return
         t0 = time.perf_counter()
         for b in todo:
-            cache, hidden, tokens = _scratch(model, b, max(widths))
+            cache, hidden, tokens, _ = _scratch(model, b, max(widths))
             missing = [w for w in widths if w not in self.target.get(b, {})]
             self.target.setdefault(b, {}).update(_time_target(model, cache, missing))
             if b not in self.drafts.get(self.drafter, {}):
                 self.drafts.setdefault(self.drafter, {})[b] = _time_drafter(drafter, cache, hidden, tokens, k)
             self.profiled += len(missing)
-        self._clean = None
+        if heads:
+            self.head.update(_time_head(model, _scratch(model, 1, max(widths))[3], heads))
+            self.profiled += len(heads)
+        self._clean = self._clean_head = None
         self.save()
         if self.progress:
             import sys
@@ -445,17 +489,18 @@ def profile_tokens(vocab_size: int, rows: int, length: int, seed: int) -> torch.
 
 
 def _scratch(model: torch.nn.Module, rows: int, top: int):
-    """A cache holding PROFILE_CONTEXT tokens per row, its last hidden states and the history."""
+    """A cache holding PROFILE_CONTEXT tokens per row, its last hidden states, the history, and
+    every position's hidden state (rows to time the head on)."""
     dev = model.embed_tokens.weight.device
     ctx = min(PROFILE_CONTEXT, model.config.max_position_embeddings - top - 2)
     cache = model.new_cache(rows, ctx + top + 2)
     tokens = profile_tokens(model.config.vocab_size, rows, ctx + top + 2, seed=0).to(dev)
-    hidden = model(tokens[:, :ctx], cache)[:, -1]
-    return cache, hidden, tokens
+    states = model(tokens[:, :ctx], cache)
+    return cache, states[:, -1], tokens, states.reshape(-1, states.shape[-1])
 
 
 def _time_target(model: torch.nn.Module, cache, widths: list[int]) -> dict[int, float]:
-    """Seconds of one forward of w tokens per row plus the head, as greedy verification runs it."""
+    """Seconds of one forward of w tokens per row (the head is timed apart: _time_head)."""
     dev, start = model.embed_tokens.weight.device, list(cache.host_lengths)
     out = {}
     for w in widths:
@@ -464,11 +509,21 @@ def _time_target(model: torch.nn.Module, cache, widths: list[int]) -> dict[int, 
 
         def forward() -> None:
             cache.rollback(start)
-            model.greedy_tokens(model(tokens, cache))
+            model(tokens, cache)
 
         forward()  # warm-up: first-call allocations and any compilation stay out of the timing
         out[w] = _fastest(forward, dev)
     cache.rollback(start)
+    return out
+
+
+def _time_head(model: torch.nn.Module, states: torch.Tensor, sizes: list[int]) -> dict[int, float]:
+    """Seconds of model.greedy_tokens over m hidden rows of profile text, for each m in `sizes`."""
+    dev, out = states.device, {}
+    for m in sizes:
+        rows = states.repeat(-(-m // states.shape[0]), 1)[:m]
+        model.greedy_tokens(rows)  # warm-up
+        out[m] = _fastest(lambda: model.greedy_tokens(rows), dev)
     return out
 
 

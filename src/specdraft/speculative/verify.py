@@ -49,6 +49,8 @@ def verify_greedy_blockwise(greedy_tokens: Callable[[torch.Tensor], torch.Tensor
     and costs about the same for 1 to 4 rows (one pass over its table), so a 9-wide lookup
     verification whose first draft fails pays one pass instead of three."""
     b, width, h = hidden.shape
+    if width <= block:  # one block (plain steps, K < block): the plain call, no row bookkeeping
+        return verify_greedy(greedy_tokens(hidden), drafts, num_valid)
     k = drafts.shape[1]
     valid = _valid(num_valid, k)
     choice = torch.zeros(b, width, dtype=torch.long, device=hidden.device)

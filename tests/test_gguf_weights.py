@@ -19,6 +19,7 @@ from conftest import build_hf, prompts_of
 from test_quant import repetitive_prompts, speculative_equals_plain
 from specdraft.loading.gguf_blocks import SUPPORTED_BLOCK_FORMATS, decode_blocks
 from specdraft.models import block_linear
+from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models.block_linear import Blocks, stack_blocks
 
 kernel = pytest.mark.skipif(not block_linear.kernel_available(), reason="no AVX2 CPU or no C compiler here")
@@ -99,6 +100,23 @@ def test_block_linear_prompts_use_the_dequantised_weights() -> None:
     assert torch.equal(layer(x), F.linear(x, blocks.dequantized(), layer.bias))
     step = layer(x[:, :1])  # a decode step: the kernel, the same numbers up to the sum's order
     assert torch.allclose(step, F.linear(x[:, :1], blocks.dequantized(), layer.bias), atol=1e-5, rtol=1e-5)
+
+
+@kernel
+def test_bf16_prompts_multiply_a_bf16_copy_and_steps_keep_the_kernel() -> None:
+    """After set_prompt_dtype(bf16) a prompt's chunk (wider than SHORT_FORWARD) is bf16 x bf16
+    with float32 output; verification widths still take the float32 kernel."""
+    blocks = _blocks(96, 256, 32, True, seed=3)
+    layer = block_linear.BlockLinear(blocks, torch.randn(96))
+    w = blocks.dequantized()
+    layer.set_prompt_dtype(torch.bfloat16)
+    x = torch.randn(2, SHORT_FORWARD + 1, 256)
+    assert torch.equal(layer(x), F.linear(x.bfloat16(), w.bfloat16()).float() + layer.bias)
+    step = x[:, :SHORT_FORWARD]
+    assert torch.allclose(layer(step), F.linear(step, w, layer.bias), atol=1e-5, rtol=1e-5)
+    layer.set_prompt_dtype(torch.float32)
+    assert layer.prompt_weight is None
+    assert torch.allclose(layer(x), F.linear(x, w, layer.bias), atol=1e-5, rtol=1e-5)
 
 
 def near_tie_q8_table(hidden: torch.Tensor, seed: int) -> tuple[Blocks, list[int]]:
@@ -238,6 +256,37 @@ def test_gguf_weights_decode_like_the_float32_model(tmp_path: Path, monkeypatch,
             assert (lp - ld).abs().max().item() < 1e-4
     for batch in (1, 4):  # wide verifications give each row its one-row bits: output equals plain
         speculative_equals_plain(packed.model, repetitive_prompts(vocab), batch)
+
+
+@kernel
+def test_bf16_prompts_give_a_row_the_same_tokens_alone_or_batched(tmp_path: Path, monkeypatch) -> None:
+    """--prefill-dtype bfloat16: prompts whose chunks take the bf16 GEMM (> SHORT_FORWARD tokens)
+    and the decode kernels (<= SHORT_FORWARD), batched together, give each row the tokens it gets
+    alone (the engine runs the two kinds of chunk in forwards of their own), and speculative
+    decoding still equals plain decoding."""
+    from specdraft.drafters.ngram import NgramDrafter
+    from specdraft.runtime import Runtime
+    from specdraft.speculative.engine import Engine
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    path = write_quantised_gguf(tmp_path / "tiny.gguf", "Q8_0")
+    rt = Runtime.load(str(path), dtype="float32", weights="gguf", prefill_dtype="bfloat16", progress=False)
+    linears = [m for m in rt.model.layers.modules() if isinstance(m, block_linear.BlockLinear)]
+    assert rt.prefill_dtype == torch.bfloat16 and linears
+    assert all(m.prompt_weight is not None for m in linears) and rt.model.packed_head.prompt_weight is None
+    prompts = prompts_of([40, 5, 300, 12, 17], rt.config.vocab_size, seed=4)  # 300: chunks of 256 and 44
+    alone = [Engine(rt.model).generate([p], 12, eos_token_ids=[])[0].token_ids for p in prompts]
+    shapes = []
+    monkeypatch.setattr(type(rt.model), "__call__", lambda self, tokens, cache: (
+        shapes.append(tuple(tokens.shape)), torch.nn.Module.__call__(self, tokens, cache))[1])
+    batched = Engine(rt.model, max_batch_size=5).generate(prompts, 12, eos_token_ids=[])
+    assert [r.token_ids for r in batched] == alone
+    # Each kind of chunk in a forward of its own: (rows, width) of the prefill forwards.
+    assert [s for s in shapes if s[1] > 1] == [(1, 40), (1, 5), (1, 256), (1, 12), (1, 17), (1, 44)]
+    spec = Engine(rt.model, drafter=NgramDrafter(), draft_tokens=4, max_batch_size=5)
+    assert [r.token_ids for r in spec.generate(prompts, 12, eos_token_ids=[])] == alone
+    exact = Runtime.load(str(path), dtype="float32", weights="gguf", progress=False)
+    assert exact.prefill_dtype == torch.float32  # --dtype float32 asked for: float32 prompts
 
 
 @kernel

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import TinyModel, prompts_of
-from specdraft.device import fp16_kernel_available, resolve_dtype, resolve_weights
+from specdraft.device import fp16_kernel_available, resolve_dtype, resolve_prefill_dtype, resolve_weights
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.loading import load_folder
@@ -82,6 +82,21 @@ def test_weights_choice_is_checked() -> None:
         resolve_weights("fp16", cpu, BF16)
     with pytest.raises(SpecdraftError, match="unknown weights"):
         resolve_weights("int3", cpu, BF16)
+
+
+@pytest.mark.parametrize("bf16_units", [True, False])
+def test_prefill_dtype_choice(monkeypatch, bf16_units: bool) -> None:
+    """Prompts in bf16 only with gguf weights, on bf16 units, where --dtype auto chose float32."""
+    monkeypatch.setattr("specdraft.device.cpu_has_bf16_units", lambda: bf16_units)
+    assert resolve_prefill_dtype("auto", "gguf", dtype_chosen=True) == (BF16 if bf16_units else torch.float32)
+    assert resolve_prefill_dtype("auto", "gguf", dtype_chosen=False) == torch.float32  # float32 asked for
+    assert resolve_prefill_dtype("float32", "gguf", dtype_chosen=True) == torch.float32
+    assert resolve_prefill_dtype("bfloat16", "gguf", dtype_chosen=False) == BF16
+    assert resolve_prefill_dtype("auto", "int8", dtype_chosen=True) is None  # prompts run in --dtype
+    with pytest.raises(SpecdraftError, match="applies to --weights gguf"):
+        resolve_prefill_dtype("bfloat16", "dtype", dtype_chosen=True)
+    with pytest.raises(SpecdraftError, match="unknown prefill dtype"):
+        resolve_prefill_dtype("float16", "gguf", dtype_chosen=True)
 
 
 @pytest.mark.parametrize("bf16_units", [True, False])

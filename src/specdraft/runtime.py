@@ -11,9 +11,10 @@ from pathlib import Path
 import torch
 
 from specdraft.config import ModelConfig
-from specdraft.device import dtype_name, resolve_device, resolve_dtype, resolve_weights
+from specdraft.device import dtype_name, resolve_device, resolve_dtype, resolve_prefill_dtype, resolve_weights
 from specdraft.loading import load_folder, resolve_model
 from specdraft.models import int8_head
+from specdraft.models.block_linear import use_prompt_dtype
 from specdraft.models.compile import compile_steps
 from specdraft.models.quant import INT8_PACK_MULTIPLE, Int8Head, compact_weights
 from specdraft.models.screened_head import screen_head
@@ -65,29 +66,36 @@ class Runtime:
     notes: list[str] = field(default_factory=list)
 
     weights: str = "dtype"
+    prefill_dtype: torch.dtype | None = None  # prompts' arithmetic with gguf weights (use_prompt_dtype)
 
     @classmethod
     def load(cls, name_or_path: str, dtype: str = "auto", device: str = "auto", progress: bool = True,
-             weights: str = "auto", compile: bool = False) -> "Runtime":
-        """Load a target. weights: auto | dtype | int8 | int4 | fp16 (device.resolve_weights); compile:
-        route decode/verify forwards through a torch.compile'd step (models/compile.py)."""
+             weights: str = "auto", compile: bool = False, prefill_dtype: str = "auto") -> "Runtime":
+        """Load a target. weights: auto | dtype | int8 | int4 | fp16 | gguf (device.resolve_weights);
+        compile: route decode/verify forwards through a torch.compile'd step (models/compile.py);
+        prefill_dtype: auto | float32 | bfloat16, prompts' arithmetic with gguf weights
+        (device.resolve_prefill_dtype)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev, weights)
         fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto")  # bad flags fail before any work
+        resolve_prefill_dtype(prefill_dtype, "gguf" if weights == "auto" else fmt, False)  # the same, early
         folder = resolve_model(name_or_path, progress)
         if weights == "auto":
             blocks = _has_blocks(name_or_path, folder)
             dt = resolve_dtype(dtype, dev, weights, gguf_blocks=blocks)
             fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto", gguf_blocks=blocks)
+        prompts = resolve_prefill_dtype(prefill_dtype, fmt, dtype_chosen=dtype == "auto")
         model, cfg, notes = load_folder(folder, dt, dev)
         notes += compact_weights(model, fmt, _source_blocks(name_or_path, folder) if fmt == "gguf" else None)
+        if prompts is not None:
+            use_prompt_dtype(model, prompts)
         if isinstance(getattr(model, "packed_head", None), Int8Head):
             _warm_up_int8_head(model.packed_head, progress)
         screen_head(model)  # float32 dense heads: greedy argmax from an fp16 screen, exact
         if compile:
             compile_steps(model, announce=progress)
         eos = cfg.eos_token_ids + generation_eos_ids(folder)
-        return cls(name_or_path, folder, model, cfg, Tokenizer(folder, eos), dev, dt, notes, fmt)
+        return cls(name_or_path, folder, model, cfg, Tokenizer(folder, eos), dev, dt, notes, fmt, prompts)
 
     @property
     def verify_width_budget(self) -> int | None:

@@ -130,7 +130,8 @@ def markdown(payload: dict) -> str:
         "# specdraft bench results",
         "",
         f"- model: `{payload['target']['name']}` ({mach['dtype']}, {mach['device']}), "
-        f"weights {_mb(payload['target']['weight_bytes'])} MB",
+        f"weights {mach.get('weights', '?')}, {_mb(payload['target']['weight_bytes'])} MB"
+        + (f", prompts in {mach['prefill_dtype']}" if mach.get("prefill_dtype") else ""),
         f"- machine: {mach['cpu']}, {mach['cpus_usable']} usable CPUs, {mach['torch_threads']} torch threads"
         + (f", GPU {mach['gpu']}" if mach.get("gpu") else ""),
         f"- software: torch {mach['torch']}, transformers {mach['transformers'] or '-'}, "

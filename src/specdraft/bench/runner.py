@@ -21,7 +21,7 @@ from specdraft.bench import (ALL_METHODS, DEFAULT_METHODS, PEER_METHODS, SPECDRA
 from specdraft.bench.methods import BenchContext, Method, Skip, build_specdraft
 from specdraft.bench.questions import PLAIN_TEMPLATE, Question, encode, prompt_style, read_questions, select
 from specdraft.bench.steps import weight_bytes_per_step
-from specdraft.device import set_threads
+from specdraft.device import dtype_name, set_threads
 from specdraft.errors import SpecdraftError
 from specdraft.loading.presets import DEFAULT_MODEL
 from specdraft.sampling import SamplingParams
@@ -50,6 +50,7 @@ class BenchConfig:
     device: str = "auto"
     threads: int | None = None  # CPU threads for torch and llama.cpp alike; None = the physical cores
     weights: str = "auto"  # device.resolve_weights
+    prefill_dtype: str = "auto"  # device.resolve_prefill_dtype
     compile: bool = False  # models/compile.py
     out: Path = Path("bench-out")
     warmup: bool = True
@@ -100,6 +101,7 @@ def machine_info(rt) -> dict:
         "device": str(rt.device),
         "dtype": rt.dtype_name,
         "weights": rt.weights,
+        "prefill_dtype": None if rt.prefill_dtype is None else dtype_name(rt.prefill_dtype),
         "compiled": rt.model.compiled_step is not None,
         "compile_seconds": round(rt.model.compiled_step.compile_seconds, 1) if rt.model.compiled_step else None,
         "gpu": torch.cuda.get_device_name(rt.device) if rt.device.type == "cuda" else None,
@@ -277,7 +279,7 @@ def run_bench(cfg: BenchConfig) -> dict:
 
     rss0 = memory.rss_bytes()
     rt = Runtime.load(cfg.model, cfg.dtype, cfg.device, progress=cfg.progress, weights=cfg.weights,
-                      compile=cfg.compile)
+                      compile=cfg.compile, prefill_dtype=cfg.prefill_dtype)
     if cfg.compile:
         rt.model.compiled_step.warm_up(max(cfg.batch_sizes))  # compile time stays out of every timer
     target_load = max(0, memory.rss_bytes() - rss0)

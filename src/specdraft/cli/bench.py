@@ -107,7 +107,7 @@ def run(args) -> int:
         draft_model=args.draft_model, draft_tokens=args.draft_tokens, gguf=args.gguf,
         batch_sizes=args.batch_sizes, temperature=args.temperature, seed=args.seed,
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype, device=args.device,
-        threads=args.threads, weights=args.weights, compile=args.compile, out=args.out, progress=not args.no_progress, plots=not args.no_plots,
+        threads=args.threads, weights=args.weights, prefill_dtype=args.prefill_dtype, compile=args.compile, out=args.out, progress=not args.no_progress, plots=not args.no_plots,
     )
     payload = run_bench(cfg)
     print(text_summary(payload))

@@ -65,7 +65,7 @@ def run(args) -> int:
     _, note = set_threads(args.threads)
     served = load_served(args.model, args.drafter, args.dtype, args.device, args.max_batch_size, args.max_context,
                          args.drafter_path, args.draft_tokens, args.weights,
-                         args.compile, args.draft_policy)
+                         args.compile, args.draft_policy, args.prefill_dtype)
     if note:
         print(f"specdraft: note: {note}", file=sys.stderr)
     print(f"specdraft: serving {served.name} (drafter {served.drafter}) on http://{args.host}:{args.port}/ "

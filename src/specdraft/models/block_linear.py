@@ -9,10 +9,14 @@ the order of a sum.
 
 Every (output, row) pair is summed in one fixed order, so a row's result does not depend on the
 rows beside it (row-invariant by construction, no padding): speculative output equals plain
-output. Calls of more than KERNEL_ROWS rows (prompts) take the dequantised weights and a
-float32 GEMM, which is faster there; decode steps, verifications and short prompts take the
-kernel (dequantising every layer and a GEMM cost a 16-row prompt 74 ms against the kernel's
-30, and break even near 80 rows here).
+output. Prompts take a GEMM where it is faster, chosen by the forward's width (tokens a row),
+never by how many rows share the call: in float32, chunks wider than KERNEL_ROWS multiply the
+dequantised weights (a 16-row chunk: dequantising and a GEMM 74 ms, the kernel 30; even near 80
+rows); after `use_prompt_dtype(model, torch.bfloat16)`, chunks wider than SHORT_FORWARD multiply
+a bf16 copy of them kept from load (CPUs with AMX or AVX512-BF16: prompts 2.1x faster on Gemma 3
+270M, per-token KL 6e-4 against float32 prompts, BENCHMARKS.md). Decode steps, verifications
+and drafting always take the kernel, and the engine prefills chunks of at most SHORT_FORWARD
+tokens apart from longer ones.
 
 The kernel is C, built on first use by the system C compiler (`cc`, or $CC) into the cache
 folder and loaded with ctypes (models/kernels): torch has no CPU kernel for these block formats, and on an AVX2
@@ -27,9 +31,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models.kernels import build
 
-KERNEL_ROWS = 64  # the most rows a call multiplies on the kernel (see above)
+KERNEL_ROWS = 64  # float32 prompts: chunks wider than this take the GEMM (see above)
 
 @dataclass
 class Blocks:
@@ -99,14 +104,27 @@ def block_mm(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, offs
     return out
 
 
-def block_dequantize(blocks: "Blocks") -> torch.Tensor:
-    """blocks.dequantized() in one pass of the kernel (the same bits: a multiply, then a subtract)."""
+def block_dequantize(blocks: "Blocks", out: torch.Tensor | None = None) -> torch.Tensor:
+    """blocks.dequantized() in one pass of the kernel (the same bits: a multiply, then a subtract),
+    into `out` (float32, contiguous) if given."""
     n, k = blocks.codes.shape
-    out = torch.empty(n, k, dtype=torch.float32)
+    out = torch.empty(n, k, dtype=torch.float32) if out is None else out.view(n, k)
     library().block_dequantize(blocks.codes.data_ptr(), blocks.scales.data_ptr(),
                                None if blocks.offsets is None else blocks.offsets.data_ptr(), out.data_ptr(),
                                n, k, blocks.group, torch.get_num_threads())
     return out
+
+
+_scratch = torch.empty(0)
+
+
+def scratch(numel: int) -> torch.Tensor:
+    """A float32 buffer of `numel` elements, reused by every float32 prompt GEMM: a fresh one per
+    call costs more in page faults (tens of MB a forward) than dequantising into it."""
+    global _scratch
+    if _scratch.numel() < numel:
+        _scratch = torch.empty(numel, dtype=torch.float32)
+    return _scratch[:numel]
 
 
 # A compiled step cannot trace a ctypes call; it calls the kernel through this op. Eager calls
@@ -132,19 +150,39 @@ class BlockLinear(nn.Module):
         self.register_buffer("scales", blocks.scales.contiguous())
         self.register_buffer("offsets", None if blocks.offsets is None else blocks.offsets.contiguous())
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.register_buffer("prompt_weight", None, persistent=False)  # bf16 prompts: see use_prompt_dtype
 
     @property
     def blocks(self) -> Blocks:
         return Blocks(self.codes, self.scales, self.offsets, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[-2] if x.dim() > 1 else 1  # tokens a row: a prompt's chunk takes a GEMM
+        if self.prompt_weight is not None and width > SHORT_FORWARD:
+            y = F.linear(x.to(torch.bfloat16), self.prompt_weight).float()
+            return y if self.bias is None else y + self.bias
+        if width > KERNEL_ROWS:
+            return F.linear(x.float(), block_dequantize(self.blocks, scratch(self.codes.numel())), self.bias)
         rows = x.reshape(-1, self.in_features)
-        if rows.shape[0] > KERNEL_ROWS:  # a prompt: a GEMM is faster there
-            return F.linear(x.float(), block_dequantize(self.blocks), self.bias)
         mm = block_mm_op if torch.compiler.is_compiling() else block_mm
         y = mm(rows, self.codes, self.scales, self.offsets, self.group)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def set_prompt_dtype(self, dtype: torch.dtype) -> None:
+        """float32: prompts multiply the float32 weights (dequantised per call, exact); bfloat16:
+        a bf16 copy of them, made now (2 bytes a weight)."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"prompts in {dtype}: float32 or bfloat16")
+        self.prompt_weight = block_dequantize(self.blocks).bfloat16() if dtype == torch.bfloat16 else None
+
+
+def use_prompt_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """Prompts (forwards wider than SHORT_FORWARD) through the decoder layers' block linears in
+    `dtype`. The LM head keeps float32: a prompt scores only its last position."""
+    for module in model.layers.modules():
+        if isinstance(module, BlockLinear):
+            module.set_prompt_dtype(dtype)
 
 
 def exact_block_linear(weight: torch.Tensor, bias: torch.Tensor | None, blocks: Blocks) -> BlockLinear | None:

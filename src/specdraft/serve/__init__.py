@@ -14,13 +14,13 @@ from specdraft.serve.app import ServedModel, create_app
 
 def load_served(model: str, drafter: str, dtype: str, device: str, max_batch_size: int, max_context: int,
                 drafter_path: str | None = None, draft_tokens: int | None = None, weights: str = "auto",
-                compile: bool = False, draft_policy: str = "adaptive") -> ServedModel:
+                compile: bool = False, draft_policy: str = "adaptive", prefill_dtype: str = "auto") -> ServedModel:
     """Load the target and drafter and build the engine the server drives (compiled graphs and
     the draft policy's step costs are measured here, before the port opens, so no request waits)."""
     from specdraft.drafters import load_drafter
     from specdraft.runtime import Runtime
 
-    rt = Runtime.load(model, dtype, device, weights=weights, compile=compile)
+    rt = Runtime.load(model, dtype, device, weights=weights, compile=compile, prefill_dtype=prefill_dtype)
     if compile:
         rt.model.compiled_step.warm_up(max_batch_size)
     found, kind, k = load_drafter(rt, drafter, drafter_path, draft_tokens, load_runtime=Runtime.load)

@@ -26,6 +26,7 @@ import torch
 
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.errors import SpecdraftError
+from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.sampling import SamplingParams, probabilities
 from specdraft.speculative.policy import DraftPolicy, FixedPolicy
 from specdraft.speculative.request import GenerationResult, Request, SamplingGroup
@@ -273,22 +274,32 @@ class Engine:
         lo, hi = self.n_dec, len(self.slots)
         rows = self.slots[lo:hi]
         # Chunks start at multiples of prefill_chunk from each prompt's start, whatever else
-        # joins: a row's arithmetic never depends on its neighbours.
+        # joins: a row's arithmetic never depends on its neighbours. For the same reason chunks
+        # of at most SHORT_FORWARD tokens (which take the decode kernels) and longer ones (a
+        # GEMM, maybe in another dtype: models/block_linear.py) run in forwards of their own.
         starts = [r.prefilled for r in rows]
         counts = [min(self.prefill_chunk, len(r.req.prompt) - r.prefilled) for r in rows]
+        last_hidden, done = [], []
+        for a, b in _runs([c > SHORT_FORWARD for c in counts]):
+            hidden = self._prefill_rows(lo + a, starts[a:b], counts[a:b])
+            for j in range(a, b):
+                rows[j].prefilled += counts[j]
+                if rows[j].prefilled == len(rows[j].req.prompt):
+                    done.append(j)
+                    last_hidden.append(hidden[j - a, counts[j] - 1])
+        if done:
+            self._start_decoding([lo + j for j in done], torch.stack(last_hidden))
+
+    def _prefill_rows(self, lo: int, starts: list[int], counts: list[int]) -> torch.Tensor:
+        """One forward over slots lo.. of the next `counts` prompt tokens from `starts`."""
         dev, width = self.device, max(counts)
         cols = torch.tensor(starts, device=dev)[:, None] + torch.arange(width, device=dev)
+        hi = lo + len(counts)
         cache = self.cache.rows(lo, hi)
         with self.timer.phase("verify"):
             hidden = self.model(self.tokens[lo:hi].gather(1, cols), cache)
         cache.rollback([s + c for s, c in zip(starts, counts)])
-        done = []
-        for j, (r, c) in enumerate(zip(rows, counts)):
-            r.prefilled += c
-            if r.prefilled == len(r.req.prompt):
-                done.append(j)
-        if done:
-            self._start_decoding([lo + j for j in done], hidden[done, [counts[j] - 1 for j in done]])
+        return hidden
 
     def _start_decoding(self, slots: list[int], hidden: torch.Tensor) -> None:
         """Prefill done for the rows in `slots` (ascending): the first token comes from the
@@ -469,3 +480,13 @@ def _row_callback(on_tokens: Callable[[int, list[int]], None] | None, i: int):
     if on_tokens is None:
         return None
     return lambda ids, sources: on_tokens(i, ids)
+
+
+def _runs(flags: list[bool]) -> list[tuple[int, int]]:
+    """[a, b) ranges of equal consecutive flags: [T, T, F, T] -> [(0, 2), (2, 3), (3, 4)]."""
+    runs, a = [], 0
+    for i in range(1, len(flags) + 1):
+        if i == len(flags) or flags[i] != flags[a]:
+            runs.append((a, i))
+            a = i
+    return runs

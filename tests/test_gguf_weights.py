@@ -287,6 +287,11 @@ def test_bf16_prompts_give_a_row_the_same_tokens_alone_or_batched(tmp_path: Path
     assert [r.token_ids for r in spec.generate(prompts, 12, eos_token_ids=[])] == alone
     exact = Runtime.load(str(path), dtype="float32", weights="gguf", progress=False)
     assert exact.prefill_dtype == torch.float32  # --dtype float32 asked for: float32 prompts
+    from specdraft.bench.steps import weight_bytes_per_step
+
+    copies = sum(m.prompt_weight.numel() * 2 for m in linears)
+    assert rt.nbytes() == exact.nbytes() + copies  # held, but a decode step does not read them
+    assert weight_bytes_per_step(rt.model) == weight_bytes_per_step(exact.model)
 
 
 @kernel

@@ -27,11 +27,14 @@ class StepTime:
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes a decode step reads: every weight and packed buffer except the input embedding table
-    (one row is gathered per token), whose bytes count again when the LM head is tied to it."""
+    (one row is gathered per token), whose bytes count again when the LM head is tied to it, and
+    copies only prompts read (bf16 prompt weights, models/block_linear.py)."""
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     embed = model.embed_tokens.weight
     total = sum(t.numel() * t.element_size() for i, t in tensors.items() if i != id(embed))
     total += sum(getattr(m, "packed_nbytes", 0) for m in model.modules())  # FBGEMM's fp16 copies (the screen's too)
+    prompt_only = [getattr(m, "prompt_weight", None) for m in model.modules()]
+    total -= sum(w.numel() * w.element_size() for w in prompt_only if w is not None)
     screened, packed_head = getattr(model, "screened_head", None), getattr(model, "packed_head", None)
     if screened is not None:  # greedy steps read the screen, not a float32 head
         if packed_head is None and model.lm_head is not None:

@@ -262,8 +262,8 @@ def test_gguf_weights_decode_like_the_float32_model(tmp_path: Path, monkeypatch,
 def test_bf16_prompts_give_a_row_the_same_tokens_alone_or_batched(tmp_path: Path, monkeypatch) -> None:
     """--prefill-dtype bfloat16: prompts whose chunks take the bf16 GEMM (> SHORT_FORWARD tokens)
     and the decode kernels (<= SHORT_FORWARD), batched together, give each row the tokens it gets
-    alone (the engine runs the two kinds of chunk in forwards of their own), and speculative
-    decoding still equals plain decoding."""
+    alone (the engine prefills each long chunk in a forward of its own), and speculative decoding
+    still equals plain decoding."""
     from specdraft.drafters.ngram import NgramDrafter
     from specdraft.runtime import Runtime
     from specdraft.speculative.engine import Engine
@@ -274,15 +274,16 @@ def test_bf16_prompts_give_a_row_the_same_tokens_alone_or_batched(tmp_path: Path
     linears = [m for m in rt.model.layers.modules() if isinstance(m, block_linear.BlockLinear)]
     assert rt.prefill_dtype == torch.bfloat16 and linears
     assert all(m.prompt_weight is not None for m in linears) and rt.model.packed_head.prompt_weight is None
-    prompts = prompts_of([40, 5, 300, 12, 17], rt.config.vocab_size, seed=4)  # 300: chunks of 256 and 44
+    prompts = prompts_of([40, 300, 5, 12, 17], rt.config.vocab_size, seed=4)  # 300: chunks of 256 and 44
     alone = [Engine(rt.model).generate([p], 12, eos_token_ids=[])[0].token_ids for p in prompts]
     shapes = []
     monkeypatch.setattr(type(rt.model), "__call__", lambda self, tokens, cache: (
         shapes.append(tuple(tokens.shape)), torch.nn.Module.__call__(self, tokens, cache))[1])
     batched = Engine(rt.model, max_batch_size=5).generate(prompts, 12, eos_token_ids=[])
     assert [r.token_ids for r in batched] == alone
-    # Each kind of chunk in a forward of its own: (rows, width) of the prefill forwards.
-    assert [s for s in shapes if s[1] > 1] == [(1, 40), (1, 5), (1, 256), (1, 12), (1, 17), (1, 44)]
+    # (rows, width) of the prefill forwards: a chunk of > SHORT_FORWARD tokens by itself (its GEMM
+    # and attention block their sums by the forward's shape), shorter ones together.
+    assert [s for s in shapes if s[1] > 1] == [(1, 40), (1, 256), (2, 12), (1, 17), (1, 44)]
     spec = Engine(rt.model, drafter=NgramDrafter(), draft_tokens=4, max_batch_size=5)
     assert [r.token_ids for r in spec.generate(prompts, 12, eos_token_ids=[])] == alone
     exact = Runtime.load(str(path), dtype="float32", weights="gguf", progress=False)

@@ -274,13 +274,12 @@ class Engine:
         lo, hi = self.n_dec, len(self.slots)
         rows = self.slots[lo:hi]
         # Chunks start at multiples of prefill_chunk from each prompt's start, whatever else
-        # joins: a row's arithmetic never depends on its neighbours. For the same reason chunks
-        # of at most SHORT_FORWARD tokens (which take the decode kernels) and longer ones (a
-        # GEMM, maybe in another dtype: models/block_linear.py) run in forwards of their own.
+        # joins, and are grouped so that a row's arithmetic never depends on its neighbours
+        # (_prefill_groups).
         starts = [r.prefilled for r in rows]
         counts = [min(self.prefill_chunk, len(r.req.prompt) - r.prefilled) for r in rows]
         last_hidden, done = [], []
-        for a, b in _runs([c > SHORT_FORWARD for c in counts]):
+        for a, b in _prefill_groups(counts):
             hidden = self._prefill_rows(lo + a, starts[a:b], counts[a:b])
             for j in range(a, b):
                 rows[j].prefilled += counts[j]
@@ -482,11 +481,15 @@ def _row_callback(on_tokens: Callable[[int, list[int]], None] | None, i: int):
     return lambda ids, sources: on_tokens(i, ids)
 
 
-def _runs(flags: list[bool]) -> list[tuple[int, int]]:
-    """[a, b) ranges of equal consecutive flags: [T, T, F, T] -> [(0, 2), (2, 3), (3, 4)]."""
-    runs, a = [], 0
-    for i in range(1, len(flags) + 1):
-        if i == len(flags) or flags[i] != flags[a]:
-            runs.append((a, i))
+def _prefill_groups(counts: list[int]) -> list[tuple[int, int]]:
+    """[a, b) ranges of joining rows prefilled in one forward each. Chunks of at most SHORT_FORWARD
+    tokens go together: the step kernels compute every row alone, over keys masked past its own.
+    A longer chunk goes by itself: its GEMM (maybe in bf16, models/block_linear.py) and the CPU
+    flash attention block their sums by the forward's width and key span, which padding to a
+    neighbour's chunk would change. [5, 6, 40, 3] -> [(0, 2), (2, 3), (3, 4)]."""
+    groups, a = [], 0
+    for i in range(1, len(counts) + 1):
+        if i == len(counts) or counts[i] > SHORT_FORWARD or counts[a] > SHORT_FORWARD:
+            groups.append((a, i))
             a = i
-    return runs
+    return groups

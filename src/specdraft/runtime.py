@@ -78,7 +78,7 @@ class Runtime:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev, weights)
         fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto")  # bad flags fail before any work
-        resolve_prefill_dtype(prefill_dtype, "gguf" if weights == "auto" else fmt, False)  # the same, early
+        resolve_prefill_dtype(prefill_dtype, "gguf" if weights == "auto" else fmt, False)  # a bad one fails early too
         folder = resolve_model(name_or_path, progress)
         if weights == "auto":
             blocks = _has_blocks(name_or_path, folder)

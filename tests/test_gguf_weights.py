@@ -92,6 +92,48 @@ def test_kernel_is_within_the_float32_bound_and_row_invariant(group: int, offset
 
 
 @kernel
+@pytest.mark.parametrize("base,offsets", [(0, True), (-8, False)])  # Q4_K / Q4_1 codes, Q4_0 codes
+def test_packed_4bit_codes_give_the_int8_kernels_bits(base: int, offsets: bool, isa: str) -> None:
+    """4-bit codes packed two a byte (the AVX-512 kernel picks each weight from its group's table;
+    the AVX2 build unpacks) multiply by the same weights in the same order as their int8 codes:
+    the same bits at every call size, and each row's bits alone."""
+    gen = torch.Generator().manual_seed(5)
+    n, k = 150, 640
+    codes = torch.randint(base, base + 16, (n, k), dtype=torch.int8, generator=gen)
+    scales = torch.rand(n, k // 32, generator=gen) * 0.02
+    offs = torch.rand(n, k // 32, generator=gen) * 0.05 if offsets else None
+    nibbles = block_linear.pack_nibbles(codes, base)
+    assert nibbles.shape == (n, k // 2) and nibbles.dtype == torch.uint8
+    assert torch.equal(block_linear.unpack_nibbles(nibbles, base), codes)
+    x = torch.randn(13, k, generator=gen)
+    for m in range(1, 14):
+        want = block_linear.block_mm(x[:m], codes, scales, offs, 32)
+        assert torch.equal(block_linear.block_mm(x[:m], nibbles, scales, offs, 32, base), want), m
+
+
+@kernel
+def test_block_linear_keeps_4bit_codes_packed_where_the_kernel_reads_them(monkeypatch) -> None:
+    """On the AVX-512 build a BlockLinear of 4-bit codes keeps them two a byte (0.75 bytes a
+    weight with scales and offsets) and computes what the int8-code layer computes, steps and
+    prompts alike; codes with more than 16 values stay int8."""
+    from specdraft.models.kernels import build
+
+    gen = torch.Generator().manual_seed(6)
+    codes = torch.randint(0, 16, (96, 256), dtype=torch.int8, generator=gen)
+    blocks = Blocks(codes, torch.rand(96, 8, generator=gen) * 0.02, torch.rand(96, 8, generator=gen) * 0.05, 32)
+    bias = torch.randn(96, generator=gen)
+    layer = block_linear.BlockLinear(blocks, bias)
+    assert (layer.nibbles is not None) == build.library_is_avx512()
+    assert block_linear.BlockLinear(_blocks(96, 256, 32, True, seed=1), None).nibbles is None  # 64 code values
+    monkeypatch.setattr(block_linear, "packs_nibbles", lambda b: None)
+    reference = block_linear.BlockLinear(blocks, bias)
+    assert reference.nibbles is None and torch.equal(layer.blocks.codes, codes)
+    for width in (1, 2, 5, SHORT_FORWARD, block_linear.KERNEL_ROWS + 1):
+        x = torch.randn(3, width, 256, generator=gen)
+        assert torch.equal(layer(x), reference(x)), width
+
+
+@kernel
 def test_block_linear_prompts_use_the_dequantised_weights() -> None:
     blocks = _blocks(96, 256, 32, True, seed=3)
     layer = block_linear.BlockLinear(blocks, torch.randn(96))

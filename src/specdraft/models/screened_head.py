@@ -189,7 +189,8 @@ def _gamma(n: int) -> float:
 def _int8_blocks(scorer: nn.Module) -> bool:
     """Whether the gguf head's blocks are an int8 table with one scale per 32 inputs (Q8_0) and
     the kernels build here."""
-    return (isinstance(scorer, BlockLinear) and scorer.group == GROUP and scorer.offsets is None
+    return (isinstance(scorer, BlockLinear) and scorer.codes is not None and scorer.group == GROUP
+            and scorer.offsets is None
             and kernels.available())
 
 

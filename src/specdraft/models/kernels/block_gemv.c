@@ -151,3 +151,111 @@ void block_dequantize(const int8_t *codes, const float *scales, const float *off
         }
     }
 }
+
+/* Packed 4-bit codes (the Q4_K, Q4_0 and Q4_1 blocks): a group of 32 codes c = u + base (u = 0..15)
+ * takes 16 bytes, byte j holding u[j] in its low nibble and u[16 + j] in its high one: 0.75 bytes
+ * a weight with the scale and offset, against 1.25 for int8 codes. A group's weights take at most
+ * 16 values, so the AVX-512 kernel builds them once, table[u] = fl(fl(s * c) - o) (block_gemv's
+ * two roundings), and picks each weight from the table with one permute: the same weights,
+ * summed in block_gemv's order into its accumulators, so the same bits, from fewer bytes and
+ * fewer instructions a weight (1.65x block_gemv at one row on a 2-core Zen 4, BENCHMARKS.md).
+ * 5-bit codes gained nothing this way (two permutes a weight; they stay int8). Groups of 32, K a
+ * multiple of 32. */
+#if defined(__AVX512F__)
+#define PTILE(MB)                                                                                   \
+static void ptile_##MB(const uint8_t *nibbles, const float *scales, const float *offsets, __m512 iota,\
+                       const float *x, float *y, int64_t n, int64_t m0, int64_t K, int64_t N) {      \
+    __m512 acc[MB][2];                                                                              \
+    for (int r = 0; r < MB; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();                       \
+    const int64_t groups = K / 32;                                                                  \
+    const uint8_t *c = nibbles + n * (K / 2);                                                       \
+    const float *s = scales + n * groups, *o = offsets ? offsets + n * groups : 0;                  \
+    for (int64_t g = 0; g < groups; g++) {                                                          \
+        __m512 table = _mm512_mul_ps(_mm512_set1_ps(s[g]), iota);                                   \
+        if (o) table = _mm512_sub_ps(table, _mm512_set1_ps(o[g]));                                  \
+        const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * g)));   \
+        /* permutexvar reads an index's low 4 bits: the low nibble needs no mask */                 \
+        const __m512 w0 = _mm512_permutexvar_ps(b, table);                                          \
+        const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);                    \
+        for (int r = 0; r < MB; r++) {                                                              \
+            const float *xr = x + (m0 + r) * K + 32 * g;                                            \
+            acc[r][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xr), acc[r][0]);                        \
+            acc[r][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xr + 16), acc[r][1]);                   \
+        }                                                                                           \
+    }                                                                                               \
+    for (int r = 0; r < MB; r++) y[(m0 + r) * N + n] = vsum(acc[r]);                                \
+}
+
+PTILE(1)
+PTILE(2)
+PTILE(3)
+PTILE(4)
+
+void block_gemv_packed(const float *x, const uint8_t *nibbles, const float *scales, const float *offsets,
+                       int64_t base, float *y, int64_t M, int64_t N, int64_t K, int threads)
+{
+    float values[16]; /* the codes u + base, u = 0..15, as floats (exact) */
+    for (int u = 0; u < 16; u++) values[u] = (float)(u + base);
+    const __m512 iota = _mm512_loadu_ps(values);
+    const int64_t chunk = 64, tasks = (N + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < tasks; task++) {
+        const int64_t n0 = task * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+            const int mb = (int)(M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK);
+            for (int64_t n = n0; n < n1; n++)
+                switch (mb) {
+                case 1: ptile_1(nibbles, scales, offsets, iota, x, y, n, m0, K, N); break;
+                case 2: ptile_2(nibbles, scales, offsets, iota, x, y, n, m0, K, N); break;
+                case 3: ptile_3(nibbles, scales, offsets, iota, x, y, n, m0, K, N); break;
+                default: ptile_4(nibbles, scales, offsets, iota, x, y, n, m0, K, N); break;
+                }
+        }
+    }
+}
+#else
+/* The AVX2 build: no 16-float permute, so each group is unpacked to int8 codes and multiplied
+ * as block_gemv's AVX2 loop does (the same bits). models/block_linear.py packs codes only for
+ * the AVX-512 build; this keeps the function whole for any other caller. */
+void block_gemv_packed(const float *x, const uint8_t *nibbles, const float *scales, const float *offsets,
+                       int64_t base, float *y, int64_t M, int64_t N, int64_t K, int threads)
+{
+    const int64_t groups = K / 32;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+            const int mb = (int)(M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK);
+            __m256 acc[ROW_BLOCK][ACCS];
+            for (int r = 0; r < mb; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+            for (int64_t g = 0; g < groups; g++) {
+                const uint8_t *b = nibbles + n * (K / 2) + 16 * g;
+                int8_t c[32];
+                for (int j = 0; j < 16; j++) {
+                    c[j] = (int8_t)((b[j] & 15) + base);
+                    c[16 + j] = (int8_t)((b[j] >> 4) + base);
+                }
+                for (int q = 0; q < 4; q++) { /* 8-input chunks into alternating accumulators */
+                    __m256 w = _mm256_mul_ps(_mm256_set1_ps(scales[n * groups + g]), widen8(c + 8 * q));
+                    if (offsets) w = _mm256_sub_ps(w, _mm256_set1_ps(offsets[n * groups + g]));
+                    for (int r = 0; r < mb; r++)
+                        acc[r][q & 1] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + (m0 + r) * K + 32 * g + 8 * q),
+                                                        acc[r][q & 1]);
+                }
+            }
+            for (int r = 0; r < mb; r++) y[(m0 + r) * N + n] = hsum(acc[r]);
+        }
+}
+#endif
+
+/* The packed codes back to int8 codes c = u + base [N, K] (the prompts' weights, checks). */
+void unpack_codes(const uint8_t *nibbles, int64_t base, int8_t *codes, int64_t N, int64_t K, int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t j = 0; j < K / 2; j++) {
+            const int64_t g = j / 16, i = j % 16;
+            const uint8_t b = nibbles[n * (K / 2) + j];
+            codes[n * K + 32 * g + i] = (int8_t)((b & 15) + base);
+            codes[n * K + 32 * g + 16 + i] = (int8_t)((b >> 4) + base);
+        }
+}

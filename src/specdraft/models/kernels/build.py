@@ -32,6 +32,8 @@ _PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes
 SIGNATURES = {  # name: argument types (every kernel returns nothing)
     "block_gemv": [_PTR] * 5 + [_I64] * 4 + [_INT],
     "block_dequantize": [_PTR] * 4 + [_I64] * 3 + [_INT],
+    "block_gemv_packed": [_PTR] * 4 + [_I64, _PTR] + [_I64] * 3 + [_INT],
+    "unpack_codes": [_PTR, _I64, _PTR, _I64, _I64, _INT],
     "attend_rows": [_PTR] + [_I64] * 3 + [_PTR, _PTR] + [_I64] * 4 + [_PTR] + [_I64] * 2 + [_PTR]
                    + [_I64] * 6 + [_FLOAT, _FLOAT, _PTR, _INT],
     "q8_quantize_rows": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
@@ -103,7 +105,13 @@ def library_for(avx512: bool) -> ctypes.CDLL:
     lib.decoder_layer_scratch.argtypes, lib.decoder_layer_scratch.restype = [_PTR, _I64, _I64], _I64
     lib.decoder_stack_scratch.argtypes, lib.decoder_stack_scratch.restype = [_PTR, _PTR, _I64], _I64
     lib.attend_work.argtypes, lib.attend_work.restype = [_I64] * 5, _I64
+    lib.specdraft_avx512 = avx512
     return lib
+
+
+def library_is_avx512() -> bool:
+    """Whether `library()` is the build with the AVX-512 loops."""
+    return library().specdraft_avx512
 
 
 @lru_cache(maxsize=1)

@@ -14,15 +14,16 @@
  */
 #include "kernels.h"
 
-enum { LINEAR_FP16 = 0, LINEAR_BLOCKS = 1 };
+enum { LINEAR_FP16 = 0, LINEAR_BLOCKS = 1, LINEAR_PACKED_BLOCKS = 2 };
 
 /* A projection's weights as one of the two kernels takes them. */
 typedef struct {
     int kind;
-    const void *weights; /* fp16_gemv tiles, or block_gemv's int8 codes [N, K] */
+    const void *weights; /* fp16_gemv tiles, block_gemv's int8 codes [N, K] or packed 4-bit codes [N, K/2] */
     const float *scales, *offsets; /* blocks: per group of `group` inputs (offsets may be NULL) */
     int64_t group;
     const float *bias; /* NULL: none */
+    int64_t base; /* packed codes: the code of nibble 0 */
 } Linear;
 
 /* y [M, N] = x [M, K] W^T + bias, as the layer's per-op path computes it (Fp16Linear, BlockLinear). */
@@ -32,7 +33,10 @@ static void linear(const Linear *W, const float *x, float *y, int64_t M, int64_t
         fp16_gemv(x, W->weights, W->bias, y, M, N, K, threads);
         return;
     }
-    block_gemv(x, W->weights, W->scales, W->offsets, y, M, N, K, W->group, threads);
+    if (W->kind == LINEAR_PACKED_BLOCKS)
+        block_gemv_packed(x, W->weights, W->scales, W->offsets, W->base, y, M, N, K, threads);
+    else
+        block_gemv(x, W->weights, W->scales, W->offsets, y, M, N, K, W->group, threads);
     if (W->bias)
         for (int64_t i = 0; i < M * N; i++) y[i] += W->bias[i % N];
 }

@@ -15,19 +15,23 @@ _P, _I64, _INT, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_flo
 class Linear(ctypes.Structure):
     """A projection as decoder_layer.c multiplies by it: fp16_gemv tiles or block_gemv blocks."""
 
-    _fields_ = [("kind", _INT), ("weights", _P), ("scales", _P), ("offsets", _P), ("group", _I64), ("bias", _P)]
+    _fields_ = [("kind", _INT), ("weights", _P), ("scales", _P), ("offsets", _P), ("group", _I64), ("bias", _P),
+                ("base", _I64)]
 
 
-FP16_TILES, BLOCKS = 0, 1
+FP16_TILES, BLOCKS, PACKED_BLOCKS = 0, 1, 2
 
 
 def linear_weights(m) -> Linear:
     """The Linear of an Fp16Linear holding tiles or of a BlockLinear (see `kernel_linear`)."""
     from specdraft.models.block_linear import BlockLinear
 
+    if type(m) is BlockLinear and m.nibbles is not None:
+        return Linear(PACKED_BLOCKS, m.nibbles.data_ptr(), m.scales.data_ptr(), pointer(m.offsets), m.group,
+                      pointer(m.bias), m.code_base)
     if type(m) is BlockLinear:
-        return Linear(BLOCKS, m.codes.data_ptr(), m.scales.data_ptr(), pointer(m.offsets), m.group, pointer(m.bias))
-    return Linear(FP16_TILES, m.tiles.data_ptr(), None, None, 0, pointer(m.bias))
+        return Linear(BLOCKS, m.codes.data_ptr(), m.scales.data_ptr(), pointer(m.offsets), m.group, pointer(m.bias), 0)
+    return Linear(FP16_TILES, m.tiles.data_ptr(), None, None, 0, pointer(m.bias), 0)
 
 
 def kernel_linear(m) -> bool:
@@ -151,9 +155,18 @@ def parts_key(linears, norms, *extra) -> tuple[tuple, tuple]:
     """(key, tiles): what a kept LayerWeights points into, as a key that changes when a projection
     or its tiles are replaced (`to()`, loading) or a norm's weight is written; keep `tiles` (and
     the modules) referenced with the weights so the ids stay theirs."""
-    tiles = tuple(getattr(m, "tiles", getattr(m, "codes", None)) for m in linears)
+    tiles = tuple(_weight_tensor(m) for m in linears)
     versions = tuple(-1 if n.weight is None else n.weight._version for n in norms)
     return tuple(map(id, tuple(linears) + tiles)) + versions + extra, tiles
+
+
+def _weight_tensor(m) -> torch.Tensor | None:
+    """The tensor a LayerWeights' Linear points at for projection m: tiles, codes or packed codes."""
+    for name in ("tiles", "codes", "nibbles"):
+        t = getattr(m, name, None)
+        if t is not None:
+            return t
+    return None
 
 
 def reads_cache(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> bool:

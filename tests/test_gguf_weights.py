@@ -392,3 +392,24 @@ def test_screen_candidates_are_what_the_tensor_ops_keep() -> None:
     for m in range(5):
         expected = keep[m].nonzero().flatten()[:40]
         assert tokens[m, : len(expected)].tolist() == expected.tolist()
+
+
+@kernel
+def test_rescore_candidates_picks_the_exact_best_lowest_on_a_tie() -> None:
+    """rescore_candidates: the float64 argmax over each row's listed candidates, the lowest token
+    of two equal rows, and -1 for a row with no candidates or more than the cap."""
+    from specdraft.models.kernels.int8_screen import rescore_candidates
+
+    gen = torch.Generator().manual_seed(8)
+    table = torch.randn(50, 96, generator=gen)
+    table[31] = table[7]  # equal rows: equal scores
+    rows = torch.randn(4, 96, generator=gen)
+    rows[1] = table[7] * 3  # row 1's best is token 7 (and 31)
+    exact = rows.double() @ table.double().T
+    tokens = torch.tensor([[2, 9, 40, 0], [5, 7, 31, 44], [1, 3, 0, 0], [0, 1, 2, 3]])
+    counts = torch.tensor([3, 4, 0, 5])
+    choice = rescore_candidates(rows, table, tokens, counts)
+    want0 = [2, 9, 40][int(exact[0, [2, 9, 40]].argmax())]
+    assert choice.tolist() == [want0, 7, -1, -1]
+    tokens[1] = torch.tensor([5, 31, 44, 49])
+    assert rescore_candidates(rows, table, tokens, counts)[1] == [5, 31, 44, 49][int(exact[1, [5, 31, 44, 49]].argmax())]

@@ -14,8 +14,9 @@ score a (a float32 sum of w16 * h, in any order) satisfy
 (Cauchy-Schwarz, then the standard bound for a float32 sum of K products, gamma_K = K u /
 (1 - K u), u = 2^-24), with the largest row norms of the table. The true argmax can only be a
 token with a >= max(a) - 2B; those few (usually one) are rescored in float64, where products of
-float32 numbers are exact and sums are 2^29 times finer than float32's, and the best wins
-(lowest id on a tie). On Gemma 3 270M, B is about 0.04 logits and one or two tokens pass.
+float32 numbers are exact and sums are 2^29 times finer than float32's (the int8 screen's C
+path, int8_screen.c, adds a compensated sum), and the best wins (lowest id on a tie). On Gemma 3
+270M, B is about 0.04 logits and one or two tokens pass.
 
 The result is the argmax of the exact scores, computed per row on its own, so it does not
 depend on how many rows share the call: a (K+1)-row verification picks what K+1 one-row steps
@@ -33,7 +34,8 @@ from specdraft.device import fp16_kernel_available
 from specdraft.models.block_linear import BlockLinear
 from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16
 from specdraft.models.kernels import build as kernels
-from specdraft.models.kernels.int8_screen import GROUP, int8_scores, quantize_rows, quantize_table, screen_candidates
+from specdraft.models.kernels.int8_screen import (GROUP, int8_scores, quantize_rows, quantize_table, rescore_candidates,
+                                                  screen_candidates)
 from specdraft.models.quant import Fp16Linear
 
 _U = 2.0**-24  # float32 unit roundoff
@@ -109,6 +111,21 @@ class ScreenedHead(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> argmax token ids [...] of the exact scores."""
         rows = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
+        if (self.int8_table is not None and not self.fp16_values and self.weight.dtype == torch.float32
+                and self.weight.is_contiguous()):
+            # A step's usual case in three C calls: screen, list the candidates, rescore them
+            # (as tensor ops, ~0.4 ms a step of small-op overhead on a 2-core CPU).
+            tokens, counts = screen_candidates(*self._int8_screen(rows), min(self.crowded, self.weight.shape[0]))
+            choice = rescore_candidates(rows, self.weight, tokens, counts)
+            redo = (choice < 0).nonzero().flatten()
+            if len(redo):  # a crowded row (screened again finely) or one with a NaN
+                choice[redo] = self._rescored(rows[redo])
+            return choice.view(hidden.shape[:-1])
+        return self._rescored(rows).view(hidden.shape[:-1])
+
+    def _rescored(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, H] float32 -> argmax token ids [M]: the candidates of the int8 or fine screen
+        rescored in float64 with tensor ops."""
         if self.int8_table is None:
             row_ids, token_ids = _candidates(*self._fine_screen(rows)).nonzero(as_tuple=True)
         else:
@@ -123,7 +140,7 @@ class ScreenedHead(nn.Module):
         lost = choice == v  # no candidate: a NaN or inf in the row
         if lost.any():
             choice[lost] = F.linear(rows[lost], self.weight.to(rows.dtype)).argmax(-1)
-        return choice.view(hidden.shape[:-1])
+        return choice
 
     def _int8_candidates(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, token) pairs that can be each row's argmax, from the int8 screen (kernels in C: a

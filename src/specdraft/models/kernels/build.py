@@ -39,6 +39,7 @@ SIGNATURES = {  # name: argument types (every kernel returns nothing)
     "q8_quantize_rows": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
     "q8_gemv": [_PTR] * 5 + [_I64] * 3 + [_INT],
     "screen_candidates": [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
+    "rescore_candidates": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT],
     "score_rows": [_PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "rms_norm_rows": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT],
     "residual_norms": [_PTR, _INT] + [_PTR] * 5 + [_I64, _I64, _FLOAT, _INT],

@@ -46,6 +46,18 @@ def screen_candidates(scores: torch.Tensor, bound: torch.Tensor, cap: int) -> tu
     return tokens, counts
 
 
+def rescore_candidates(rows: torch.Tensor, table: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [M] over its candidates (screen_candidates' tokens [M, cap] and counts)
+    of the exact scores of rows [M, K] against the float32 table [N, K] (float64 products summed
+    with compensation; the lowest token on a tie); -1 for a row with no candidates or more than
+    cap."""
+    m, k = rows.shape
+    choice = torch.empty(m, dtype=torch.long)
+    library().rescore_candidates(rows.data_ptr(), table.data_ptr(), m, k, tokens.data_ptr(), counts.data_ptr(),
+                                 tokens.shape[1], choice.data_ptr(), torch.get_num_threads())
+    return choice
+
+
 def quantize_table(weight: torch.Tensor, block: int = 8192) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """A table [N, K] (float32 or fp16) -> int8 codes [N, K] and float32 scales [N, K/32], quantised
     as the hidden rows are, with the max over rows of ||w - s c|| and of ||s c|| (the screen's

@@ -2,9 +2,10 @@
 
 The float32 model converted from a GGUF holds weights that are exactly fl(fl(s * c) - o) for
 int8 codes c and per-group scales s and offsets o (loading/gguf_blocks.py). This format keeps
-c, s and o (about 1.1-1.25 bytes a weight, against fp16's 2 and float32's 4) and multiplies by
-the same float32 weights: kernels/block_gemv.c rebuilds each weight with llama.cpp's two
-roundings and sums the products in float32. Quality is therefore the float32 model's, up to
+c, s and o (about 1.1-1.25 bytes a weight, against fp16's 2 and float32's 4; 0.75 for 4-bit
+codes, kept two a byte where the AVX-512 kernel reads them so) and multiplies by the same
+float32 weights: kernels/block_gemv.c rebuilds each weight with llama.cpp's two roundings and
+sums the products in float32. Quality is therefore the float32 model's, up to
 the order of a sum.
 
 Every (output, row) pair is summed in one fixed order, so a row's result does not depend on the

@@ -1,5 +1,6 @@
-/* y = x W^T for W stored as GGUF-style blocks: one int8 code per weight, and per group of G
- * inputs a float32 scale s and offset o (offset may be absent), so that the weight is
+/* y = x W^T for W stored as GGUF-style blocks: one int8 code per weight (or two 4-bit codes a
+ * byte: block_gemv_packed, at the end), and per group of G inputs a float32 scale s and offset o
+ * (offset may be absent), so that the weight is
  *
  *     w = fl(fl(s * c) - o)
  *

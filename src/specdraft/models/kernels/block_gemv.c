@@ -103,18 +103,15 @@ TILE(2)
 TILE(3)
 TILE(4)
 
-/* Rows m0..m0+mb-1 (mb <= ROW_BLOCK) for outputs n0..n1-1. */
-static void rows_block(const int8_t *codes, const float *scales, const float *offsets, const float *x,
-                       float *y, int64_t n0, int64_t n1, int64_t m0, int mb, int64_t K, int64_t N, int log2g)
-{
-    for (int64_t n = n0; n < n1; n++)
-        switch (mb) {
-        case 1: tile_1(codes, scales, offsets, x, y, n, m0, K, N, log2g); break;
-        case 2: tile_2(codes, scales, offsets, x, y, n, m0, K, N, log2g); break;
-        case 3: tile_3(codes, scales, offsets, x, y, n, m0, K, N, log2g); break;
-        default: tile_4(codes, scales, offsets, x, y, n, m0, K, N, log2g); break;
-        }
-}
+/* Calls kind_1 .. kind_4 by the number of rows mb <= ROW_BLOCK: each tile has its row count fixed
+ * at compile time, so its accumulators stay in registers. */
+#define BY_ROWS(mb, kind, ...)                   \
+    switch (mb) {                                \
+    case 1: kind##_1(__VA_ARGS__); break;        \
+    case 2: kind##_2(__VA_ARGS__); break;        \
+    case 3: kind##_3(__VA_ARGS__); break;        \
+    default: kind##_4(__VA_ARGS__); break;       \
+    }
 
 /* x [M, K] float32, codes [N, K] int8, scales/offsets [N, K/G] float32 (offsets may be NULL),
  * y [M, N] float32. G is 16 or 32, K a multiple of G. threads: OpenMP threads for this call
@@ -130,7 +127,8 @@ void block_gemv(const float *x, const int8_t *codes, const float *scales, const 
         const int64_t n0 = task * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int mb = (int)(M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK);
-            rows_block(codes, scales, offsets, x, y, n0, n1, m0, mb, K, N, log2g);
+            for (int64_t n = n0; n < n1; n++)
+                BY_ROWS(mb, tile, codes, scales, offsets, x, y, n, m0, K, N, log2g)
         }
     }
 }
@@ -205,12 +203,7 @@ void block_gemv_packed(const float *x, const uint8_t *nibbles, const float *scal
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int mb = (int)(M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK);
             for (int64_t n = n0; n < n1; n++)
-                switch (mb) {
-                case 1: ptile_1(nibbles, scales, offsets, iota, x, y, n, m0, K, N); break;
-                case 2: ptile_2(nibbles, scales, offsets, iota, x, y, n, m0, K, N); break;
-                case 3: ptile_3(nibbles, scales, offsets, iota, x, y, n, m0, K, N); break;
-                default: ptile_4(nibbles, scales, offsets, iota, x, y, n, m0, K, N); break;
-                }
+                BY_ROWS(mb, ptile, nibbles, scales, offsets, iota, x, y, n, m0, K, N)
         }
     }
 }

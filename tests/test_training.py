@@ -17,6 +17,7 @@ from specdraft.runtime import Runtime
 from specdraft.training.data import DataConfig, build_dataset, load_sequences
 from specdraft.training.prompts import EvalGuard, load_prompt_set
 from specdraft.training.evaluate import replay_greedy_decoding
+from specdraft.training.labels import label_head, topk_log_probs
 from specdraft.training.trainer import TrainConfig, Trainer
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
@@ -216,12 +217,35 @@ def test_corpus_records_are_a_forward_pass_and_the_targets_top_k(tiny_target, co
         for slot in read_slots(model):
             v = cache.v[slot][0].transpose(0, 1).reshape(n, -1)
             torch.testing.assert_close(s.values[slot], v, atol=1e-4, rtol=1e-4)
-        logp = torch.log_softmax(model.logits(hidden), -1)
+        # The labels' logits come from the label head (bf16 on CPUs with bf16 units) over the
+        # recorded hidden states; test_label_head_* bounds that head against model.logits.
+        logp = torch.log_softmax(label_head(model)(s.hidden), -1)
         torch.testing.assert_close(s.topk_logp, torch.topk(logp, 4).values, atol=1e-4, rtol=1e-4)
         # The recorded ids are the tokens of those values (a near-tie may order them either way).
         torch.testing.assert_close(logp.gather(1, s.topk_ids), s.topk_logp, atol=1e-4, rtol=1e-4)
     # The text is not the target's writing: its next token is often not the target's argmax.
     assert any(not torch.equal(s.tokens[1:], s.topk_ids[:-1, 0]) for s in corpus_seqs[1])
+
+
+def test_top_k_log_probs_are_the_log_softmax_top_k(tiny_target):
+    model = tiny_target.model
+    hidden = torch.randn(900, model.config.hidden_size)  # more rows than one call scores
+    ids, logp = topk_log_probs(model.logits, hidden, 5)
+    full = torch.log_softmax(model.logits(hidden), -1)
+    torch.testing.assert_close(logp, torch.topk(full, 5).values, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full.gather(1, ids), logp, atol=1e-5, rtol=1e-5)
+
+
+def test_label_head_is_the_heads_logits_within_bf16_rounding(tiny_target):
+    """On a CPU with bf16 units the labels use a bf16 GEMM: each product carries the rounding of
+    two bf16 operands (relative 2^-8 each) and is summed in float32, so a logit is off by at most
+    ~2^-7 of the sum of |h_i w_i|. Elsewhere it is the model's own head."""
+    model = tiny_target.model
+    hidden = torch.randn(64, model.config.hidden_size)
+    exact = model.logits(hidden)
+    bound = (hidden.abs() @ model.head_weight.float().abs().T) * 2.0**-7 + 1e-5
+    err = (label_head(model)(hidden) - exact).abs()
+    assert bool((err <= bound).all()), float((err / bound).max())
 
 
 def test_ce_on_corpus_text_learns_the_targets_argmax_not_the_text(tiny_target, corpus_seqs):

@@ -18,10 +18,7 @@ from pathlib import Path
 import torch
 
 from specdraft.training.data import read_slots, write_shards
-
-# Rows of the LM head computed at once: a [rows, V] float32 block (128 MB for Gemma's 262k vocabulary).
-HEAD_ROWS = 128
-
+from specdraft.training.labels import label_head, labels_in_bf16, topk_log_probs
 
 @dataclass
 class CorpusConfig:
@@ -47,20 +44,13 @@ def text_chunks(tokenizer, texts: list[str], chunk_tokens: int, min_tokens: int)
     return chunks
 
 
-def topk_log_probs(model: torch.nn.Module, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's top-k next-token (ids, log-probabilities) for hidden [N, H], HEAD_ROWS rows at a time."""
-    ids, logp = [], []
-    for start in range(0, hidden.shape[0], HEAD_ROWS):
-        top = torch.topk(torch.log_softmax(model.logits(hidden[start : start + HEAD_ROWS]), dim=-1), k, dim=-1)
-        ids.append(top.indices)
-        logp.append(top.values)
-    return torch.cat(ids), torch.cat(logp)
-
-
 @torch.inference_mode()
-def record_prefill(model: torch.nn.Module, chunks: list[list[int]], slots: list[int], topk: int) -> list[dict]:
+def record_prefill(model: torch.nn.Module, chunks: list[list[int]], slots: list[int], topk: int,
+                   head=None) -> list[dict]:
     """One prefill over a batch of chunks (right-padded: causal attention never lets a real
-    position see the padding) -> one record per chunk, in the shard format of data.py."""
+    position see the padding) -> one record per chunk, in the shard format of data.py. `head`
+    computes the labels' logits (labels.label_head; default: the model's own head)."""
+    head = head or model.logits
     lengths = [len(c) for c in chunks]
     width = max(lengths)
     tokens = torch.zeros(len(chunks), width, dtype=torch.long)
@@ -70,7 +60,7 @@ def record_prefill(model: torch.nn.Module, chunks: list[list[int]], slots: list[
     hidden = model(tokens, cache)
     out = []
     for i, n in enumerate(lengths):
-        ids, lp = topk_log_probs(model, hidden[i, :n], topk)
+        ids, lp = topk_log_probs(head, hidden[i, :n], topk)
         rec = {"prompt_length": 1, "temperature": 0.0, "corpus": True, "tokens": tokens[i, :n].int(),
                "hidden": hidden[i, :n].cpu(), "topk_ids": ids.int(), "topk_logp": lp.float()}
         for s in slots:
@@ -86,14 +76,17 @@ def build_corpus_dataset(rt, texts: list[str], out_dir: Path, cfg: CorpusConfig,
     slots = read_slots(rt.model)
     context = rt.config.max_position_embeddings
     chunk_tokens = min(cfg.chunk_tokens, context)
+    head = label_head(rt.model)
 
     def records_for(shard: int, chunk: list[str]) -> list[dict]:
         pieces = text_chunks(rt.tokenizer, chunk, chunk_tokens, cfg.min_tokens)
         pieces.sort(key=len)  # similar lengths share a prefill: little padding
         records = []
         for start in range(0, len(pieces), cfg.batch_size):
-            records += record_prefill(rt.model, pieces[start : start + cfg.batch_size], slots, cfg.topk)
+            records += record_prefill(rt.model, pieces[start : start + cfg.batch_size], slots, cfg.topk, head)
         return records
 
-    meta = {"model": rt.name, "dtype": rt.dtype_name, "source": "corpus", **asdict(cfg)}
+    # Shards labelled by another head must not mix into a resumed folder.
+    meta = {"model": rt.name, "dtype": rt.dtype_name, "source": "corpus", **asdict(cfg),
+            "label_head": "bfloat16" if labels_in_bf16(rt.model) else rt.dtype_name}
     return write_shards(out_dir, meta, texts, cfg.shard_texts, records_for, slots, desc, "text")

@@ -166,6 +166,8 @@ def test_default_heads_get_to_data_generation(capsys, smollm2_like, tmp_path, no
     (["--corpus-fraction", "1"], "--corpus-fraction 1.0 must be between 0 and 1 (try 0.5)"),
     (["--corpus-fraction", "nan"], "--corpus-fraction nan must be between 0 and 1"),
     (["--corpus", "/no/such/corpus.jsonl"], "corpus file /no/such/corpus.jsonl does not exist"),
+    (["--prompts", "/no/such/prompts.jsonl"], "--prompts file /no/such/prompts.jsonl does not exist"),
+    (["--exclude-eval", "/no/such/eval.jsonl"], "--exclude-eval file /no/such/eval.jsonl does not exist"),
     (["--init-from", "/no/such/drafter"], "--init-from /no/such/drafter: not a drafter folder (no config.json)"),
     (["--init-from", "shipped"], "--init-from shipped: no drafter ships for"),
 ])
@@ -173,6 +175,13 @@ def test_every_setting_is_checked_before_generation(capsys, smollm2_like, tmp_pa
     line = one_line(*run_train(capsys, smollm2_like, tmp_path, *args))
     assert needle in line, line
     assert no_generation == []
+
+
+def test_a_missing_input_file_is_refused_before_the_target_loads(capsys, smollm2_like, tmp_path, monkeypatch):
+    loads = []
+    monkeypatch.setattr("specdraft.cli.train.load_target", lambda *a, **k: loads.append(a))
+    line = one_line(*run_train(capsys, smollm2_like, tmp_path, "--corpus", "/no/such/corpus.jsonl"))
+    assert "--corpus file /no/such/corpus.jsonl does not exist" in line and loads == [], line
 
 
 def test_resume_refuses_flags_that_contradict_the_checkpoint(capsys, smollm2_like, tmp_path, no_generation):

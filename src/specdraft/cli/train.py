@@ -217,6 +217,11 @@ def _check_train_args(args) -> None:
         raise SpecdraftError(f"--answer-tokens {args.answer_tokens} leaves nothing to train --draft-tokens "
                              f"{args.draft_tokens} on: answers need at least K + 1 tokens (try --answer-tokens "
                              f"{max(160, args.draft_tokens + 1)})")
+    for flag, paths in (("--prompts", args.prompts), ("--corpus", args.corpus or []),
+                        ("--exclude-eval", args.exclude_eval or [])):
+        for path in paths:  # before the target loads: a typo costs no model load
+            if not Path(path).is_file():
+                raise SpecdraftError(f"{flag} file {path} does not exist")
     _check_shape_args(args)
 
 

@@ -227,6 +227,33 @@ def test_corpus_records_are_a_forward_pass_and_the_targets_top_k(tiny_target, co
     assert any(not torch.equal(s.tokens[1:], s.topk_ids[:-1, 0]) for s in corpus_seqs[1])
 
 
+def test_uncertain_anchors_are_drawn_where_the_target_was_unsure():
+    import random
+
+    from specdraft.training.data import Sequence
+    from specdraft.training.objective import pick_anchors
+
+    n, prompt = 200, 10
+    logp = torch.full((n, 4), -5.0)
+    unsure = torch.arange(prompt - 1, n - 2) % 4 == 0  # a quarter of the anchors: top-1 probability 0.1
+    logp[prompt - 1 : n - 2, 0] = torch.where(unsure, torch.tensor(0.1).log(), torch.tensor(0.99).log())
+    seq = Sequence(tokens=torch.zeros(n, dtype=torch.long), prompt_length=prompt, temperature=0.0,
+                   hidden=torch.zeros(n, 1), keys={}, values={}, topk_ids=torch.zeros(n, 4, dtype=torch.long),
+                   topk_logp=logp)
+    rng = random.Random(0)
+    for where, low, high in (("uniform", 0.15, 0.35), ("uncertain", 0.6, 0.8)):
+        share = []
+        for _ in range(50):
+            picked = pick_anchors(seq, 32, rng, where)
+            assert picked == sorted(set(picked)) and len(picked) == 32
+            assert picked[0] >= prompt - 1 and picked[-1] <= n - 3
+            share.append(sum(unsure[t - prompt + 1].item() for t in picked) / 32)
+        # weights 1.0 (unsure) against 0.11, without replacement: about 0.69 of the picks, uniform 1/4
+        assert low < sum(share) / len(share) < high, (where, sum(share) / len(share))
+    # every anchor when there are no more than asked for
+    assert pick_anchors(seq, 1000, rng, "uncertain") == list(range(prompt - 1, n - 2))
+
+
 def test_top_k_log_probs_are_the_log_softmax_top_k(tiny_target):
     model = tiny_target.model
     hidden = torch.randn(900, model.config.hidden_size)  # more rows than one call scores

@@ -77,6 +77,9 @@ def _register_train(sub) -> None:
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
     p.add_argument("--batch-size", type=int, default=16, help="sequences per step (default 16)")
     p.add_argument("--anchors", type=int, default=64, help="anchor positions per sequence per step (default 64)")
+    p.add_argument("--anchors-where", choices=("uniform", "uncertain"), default="uniform",
+                   help="uniform: any answer position; uncertain: drawn more often where the target was unsure "
+                        "of the next token, which is where decoding rounds start (default uniform)")
     p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     p.add_argument("--shortlist", type=int, default=32768,
                    help="tokens the training softmax scores: the ones the target produces most often in the data "
@@ -341,7 +344,8 @@ def run_train(args) -> int:
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
                       k_steps=args.draft_tokens, lr=args.lr, loss=args.loss, eval_every=args.eval_every,
                       save_every=args.eval_every, seed=args.seed, shortlist_size=args.shortlist,
-                      corpus_fraction=args.corpus_fraction if args.corpus else None)
+                      corpus_fraction=args.corpus_fraction if args.corpus else None,
+                      anchors_where=args.anchors_where)
     trainer = Trainer(rt, args.out, cfg, drafter_cfg, train + corpus_seqs, held_seqs,
                       log=lambda m: print(m, file=sys.stderr), init_from=init_from)
     final = trainer.train()

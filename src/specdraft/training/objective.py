@@ -44,9 +44,27 @@ class Batch:
     corpus: torch.Tensor  # [B] bool: prefill-distilled text, whose tokens are not the target's
 
 
+def pick_anchors(s: Sequence, count: int, rng: random.Random, where: str = "uniform") -> list[int]:
+    """Up to `count` anchor positions of a sequence, sorted. Anchors are positions whose target
+    prediction is part of the answer, with x(t+1) known and a recorded target prediction at t+1
+    (the last position has none). "uncertain" draws them without replacement with weight
+    0.1 + (1 - the target's top-1 probability at t): in decoding a round starts right after the
+    target corrected the drafter, mostly where the target itself was unsure of x(t+1), and there
+    the first draft is accepted far less often (BENCHMARKS.md, "the gap explained")."""
+    choices = list(range(s.prompt_length - 1, len(s.tokens) - 2))
+    count = min(count, len(choices))
+    if where == "uniform" or count == len(choices):
+        return sorted(rng.sample(choices, count))
+    weight = 1.1 - s.topk_logp[choices, 0].float().exp()
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    picked = torch.multinomial(weight, count, replacement=False, generator=gen)
+    return sorted(choices[i] for i in picked.tolist())
+
+
 def collate(seqs: list[Sequence], anchors_per_seq: int, kv_heads: dict[int, int], rng: random.Random,
-            dtype: torch.dtype) -> Batch:
-    """Pad sequences into a batch and pick up to `anchors_per_seq` anchors in each answer."""
+            dtype: torch.dtype, anchors_where: str = "uniform") -> Batch:
+    """Pad sequences into a batch and pick up to `anchors_per_seq` anchors in each answer
+    (`pick_anchors`)."""
     b, length = len(seqs), max(len(s.tokens) for s in seqs)
     tokens = torch.zeros(b, length, dtype=torch.long)
     hidden = torch.zeros(b, length, seqs[0].hidden.shape[1], dtype=dtype)
@@ -62,10 +80,7 @@ def collate(seqs: list[Sequence], anchors_per_seq: int, kv_heads: dict[int, int]
         k_ids[i, :n], k_logp[i, :n] = s.topk_ids, s.topk_logp
         for slot in keys:
             keys[slot][i, :n], values[slot][i, :n] = s.keys[slot], s.values[slot]
-        # Anchors: positions whose target prediction is part of the answer, with x(t+1) known and
-        # a recorded target prediction at t+1 (the last position has none).
-        choices = list(range(s.prompt_length - 1, n - 2))
-        picked = sorted(rng.sample(choices, min(anchors_per_seq, len(choices))))
+        picked = pick_anchors(s, anchors_per_seq, rng, anchors_where)
         anchors[i, : len(picked)] = torch.tensor(picked, dtype=torch.long)
         valid[i, : len(picked)] = True
     # [B, L, Hkv * D] -> [B, Hkv, L, D], the KV cache layout.

@@ -54,6 +54,7 @@ class TrainConfig:
     # Share of each batch's sequences drawn from prefill-distilled corpus text (None: every
     # sequence equally likely). Corpus text is cheap but not the target's own writing.
     corpus_fraction: float | None = None
+    anchors_where: str = "uniform"  # or "uncertain" (objective.pick_anchors)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -201,7 +202,7 @@ class Trainer:
         # Seeded by step and rank: a resumed run draws exactly the batches it would have.
         rng = random.Random(self.cfg.seed * 7_919 + step * 104_729 + self.rank)
         seqs = [self._draw(rng) for _ in range(self.cfg.batch_size)]
-        batch = collate(seqs, self.cfg.anchors_per_seq, self.kv_heads, rng, batch_dtype(self.device))
+        batch = collate(seqs, self.cfg.anchors_per_seq, self.kv_heads, rng, batch_dtype(self.device), self.cfg.anchors_where)
         return to_device(batch, self.device)
 
     def _draw(self, rng: random.Random) -> Sequence:

@@ -154,6 +154,15 @@ def test_bad_arguments_give_one_line(capsys, model_dir, args, needle) -> None:
     assert out == ""
 
 
+@pytest.mark.parametrize("value", ["0", "1000"])
+def test_bad_draft_tokens_are_refused_before_the_model_loads(capsys, model_dir, monkeypatch, value) -> None:
+    loads = []
+    monkeypatch.setattr("specdraft.cli.generate.load_target", lambda *a, **k: loads.append(a))
+    code, _, err = run(capsys, *base(model_dir, "--draft-tokens", value))
+    assert_one_line_error(code, err, "--draft-tokens must be")
+    assert loads == []
+
+
 def test_unknown_drafter_kind_is_an_argparse_error(capsys, model_dir) -> None:
     with pytest.raises(SystemExit) as e:
         main(base(model_dir, "--drafter", "bogus"))
@@ -336,7 +345,8 @@ def test_every_subcommand_refuses_bad_input_in_one_line(capsys, tmp_path) -> Non
         "eval-drafter": [["eval-drafter", "--prompts", missing, "--ks", "x"],
                          ["eval-drafter", "--prompts", missing, "--temperatures", "nan"]],
         "init-drafter": [["init-drafter", "--out", missing, "--model", missing]],
-        "serve": [["serve", "--port", "0"], ["serve", "--max-batch-size", "0"], ["serve", "--model", missing]],
+        "serve": [["serve", "--port", "0"], ["serve", "--max-batch-size", "0"], ["serve", "--model", missing],
+                  ["serve", "--draft-tokens", "0"]],
         "steps": [["steps", "--widths", "0"], ["steps", "--batch-sizes", "x"], ["steps", "--model", missing]],
         "weights": [["weights"], ["weights", "--texts", missing], ["weights", "--texts", missing, "--formats", "fp8"]],
     }

@@ -155,6 +155,16 @@ def summary_line(result_stats, seconds: float, drafter: str, k: int) -> str:
     return line + f" | drafter {drafter} K={k} | tau {s.mean_accepted:.2f} | acceptance by position {acc}"
 
 
+def check_draft_tokens(draft_tokens: int | None) -> None:
+    """--draft-tokens judged before the model loads (the engine checks it again)."""
+    from specdraft.speculative.engine import MAX_DRAFT_TOKENS
+
+    if draft_tokens is not None and draft_tokens < 1:
+        raise SpecdraftError(f"--draft-tokens must be >= 1, got {draft_tokens}")
+    if draft_tokens is not None and draft_tokens > MAX_DRAFT_TOKENS:
+        raise SpecdraftError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {draft_tokens}")
+
+
 def run(args) -> int:
     from specdraft.drafters import load_drafter
     from specdraft.runtime import Runtime
@@ -167,6 +177,7 @@ def run(args) -> int:
         raise SpecdraftError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if any(s == "" for s in args.stop):
         raise SpecdraftError("--stop needs a non-empty string (an empty one would stop at once)")
+    check_draft_tokens(args.draft_tokens)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     prompts = collect_prompts(args)
     rt = load_target(args)

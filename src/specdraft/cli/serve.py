@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from specdraft.cli.generate import check_draft_tokens
 from specdraft.errors import SpecdraftError
 
 DEFAULT_MAX_CONTEXT = 2048
@@ -49,6 +50,7 @@ def _check(args) -> None:
         raise SpecdraftError(f"--max-context must be >= 16, got {args.max_context}")
     if args.api_key == "":
         raise SpecdraftError("--api-key must not be empty")
+    check_draft_tokens(args.draft_tokens)
 
 
 def run(args) -> int:

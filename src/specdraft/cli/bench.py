@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from specdraft.cli.generate import check_draft_tokens
 from specdraft.errors import SpecdraftError
 
 
@@ -99,8 +100,7 @@ def run(args) -> int:
             raise SpecdraftError(f"method {m}: only {', '.join(DRAFTER_METHODS)} take a drafter folder after @")
         if folder is not None and not (Path(folder) / "config.json").is_file():
             raise SpecdraftError(f"method {m}: {folder} is not a drafter folder (no config.json)")
-    if args.draft_tokens is not None and args.draft_tokens < 1:
-        raise SpecdraftError(f"--draft-tokens must be >= 1, got {args.draft_tokens}")
+    check_draft_tokens(args.draft_tokens)
     cfg = BenchConfig(
         questions=args.questions, model=args.model, categories=args.categories,
         limit_per_category=args.limit_per_category, methods=args.methods, drafter_path=args.drafter_path,

@@ -20,6 +20,7 @@ import torch
 from specdraft.training.data import read_slots, write_shards
 from specdraft.training.labels import label_head, labels_in_bf16, topk_log_probs
 
+
 @dataclass
 class CorpusConfig:
     chunk_tokens: int = 384  # tokens per chunk, BOS included; longer texts are cut into several

@@ -21,6 +21,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "simd.h"
+
 /* Two accumulators per (output, row): the even and the odd 8-input (16 on AVX-512) chunks. Four gave no
  * gain on a 2-core AVX2 EPYC; a 4-row block reads each weight row once per 4 rows and measured
  * fastest against 2 and 3 (BENCHMARKS.md). */
@@ -127,8 +129,11 @@ void block_gemv(const float *x, const int8_t *codes, const float *scales, const 
         const int64_t n0 = task * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int mb = (int)(M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK);
-            for (int64_t n = n0; n < n1; n++)
+            for (int64_t n = n0; n < n1; n++) {
+                if (m0 == 0 && n + PREFETCH_AHEAD < N) /* later row blocks find the chunk in L2 */
+                    prefetch_bytes(codes + (n + PREFETCH_AHEAD) * K, K);
                 BY_ROWS(mb, tile, codes, scales, offsets, x, y, n, m0, K, N, log2g)
+            }
         }
     }
 }
@@ -202,8 +207,11 @@ void block_gemv_packed(const float *x, const uint8_t *nibbles, const float *scal
         const int64_t n0 = task * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int mb = (int)(M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK);
-            for (int64_t n = n0; n < n1; n++)
+            for (int64_t n = n0; n < n1; n++) {
+                if (m0 == 0 && n + PREFETCH_AHEAD < N)
+                    prefetch_bytes(nibbles + (n + PREFETCH_AHEAD) * (K / 2), K / 2);
                 BY_ROWS(mb, ptile, nibbles, scales, offsets, iota, x, y, n, m0, K, N)
+            }
         }
     }
 }

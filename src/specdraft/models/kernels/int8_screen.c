@@ -175,13 +175,16 @@ void q8_gemv(const int8_t *q, const float *t, const int8_t *codes, const float *
         const int64_t n0 = task * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int64_t mb = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
-            for (int64_t n = n0; n < n1; n++)
+            for (int64_t n = n0; n < n1; n++) {
+                if (m0 == 0 && n + PREFETCH_AHEAD < N) /* later row blocks find the chunk in L2 */
+                    prefetch_bytes(codes + (n + PREFETCH_AHEAD) * K, K);
                 switch (mb) { /* inlined tiles: a call through a pointer per row measured 10-25% slower */
                 case 1: TILE_OF(1)(&rows, codes, scales, y, n, m0, K, N); break;
                 case 2: TILE_OF(2)(&rows, codes, scales, y, n, m0, K, N); break;
                 case 3: TILE_OF(3)(&rows, codes, scales, y, n, m0, K, N); break;
                 default: TILE_OF(4)(&rows, codes, scales, y, n, m0, K, N); break;
                 }
+            }
         }
     }
     free(rows.shifted);

@@ -82,6 +82,8 @@ def test_attention_does_not_depend_on_masked_keys_past_the_last_visible_one() ->
     ref = attend_short(q, k, v, full, 0.125, None)
     for s in (301, 384, 512):
         assert torch.equal(attend_short(q, k[:, :, :s], v[:, :, :s], full[..., :s], 0.125, None), ref)
+    k[:, :, 301:], v[:, :, 301:] = float("nan"), float("inf")  # unwritten cache slots hold anything
+    assert torch.equal(attend_short(q, k, v, full, 0.125, None), ref)
 
 
 def test_attention_without_mask_and_with_no_visible_key() -> None:

@@ -7,11 +7,12 @@
  *     out = sum_j p_j v_j
  *
  * Work is split by KV head and by chunks of CHUNK keys at fixed offsets (keys 0..127, 128..255,
- * ...): a task reads its chunk's keys and values once for every query head that shares them
- * (GQA: Gemma 3 270M's 4 query heads read one KV head), and keeps per head the chunk's maximum,
- * sum of exponentials and weighted sum of values; the chunks are then merged in key order
- * (flash-decoding's split). Reading each cached key once instead of once per query head, with
- * both threads on different chunks, is what makes a decode step's attention cheap on 2 cores.
+ * ...): a task takes up to QUERY_BLOCK of the queries that read its chunk (GQA: Gemma 3 270M's 4
+ * query heads read one KV head; a verification adds its positions), loads each key and value once
+ * for all of them, and keeps per query the chunk's maximum, sum of exponentials and weighted sum
+ * of values; the chunks are then merged in key order (flash-decoding's split). Sharing each load
+ * across queries, with both threads on different chunks, is what makes attention cheap on 2
+ * cores, and a K+1-position verification's not much dearer than a step's.
  *
  * Masked keys are skipped (in the reference they add exact zeros) and a chunk with no visible
  * key is left out of the merge, so a row's result depends only on its own query, its visible keys
@@ -20,62 +21,98 @@
  * query the bits of a one-query step.
  */
 #include <math.h>
+#include <string.h>
 
 #include "simd.h"
 
 #define CHUNK 128
+#define QUERY_BLOCK 4 /* query rows (heads x positions) that share each load of a key and a value */
 
-/* acc[0..D) += sum_j w[j] v_j over the visible keys of a chunk, in chunks of 64 outputs (8 registers). */
-static void weighted_sum(const float *w, const uint8_t *visible, const float *v, int64_t n, int64_t D, float *acc_out) {
-    int64_t d0 = 0;
-    for (; d0 + 64 <= D; d0 += 64) {
-        __m256 acc[8];
-        for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j++) {
-            if (visible && !visible[j]) continue;
-            const __m256 p = _mm256_set1_ps(w[j]);
-            const float *vj = v + j * D + d0;
-            for (int i = 0; i < 8; i++) acc[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * i), acc[i]);
-        }
-        for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc_out + d0 + 8 * i, acc[i]);
-    }
-    for (int64_t d = d0; d < D; d++) { /* head sizes that are not a multiple of 64 */
-        float acc = 0.0f;
-        for (int64_t j = 0; j < n; j++)
-            if (!visible || visible[j]) acc = fmaf(w[j], v[j * D + d], acc);
-        acc_out[d] = acc;
-    }
+/* Scores of NQ queries (qs[i], D floats each) against n keys: s[i * CHUNK + j] = q_i . k_j, each
+ * summed exactly as dot_f32 sums it (two 8-lane accumulators over the even and odd 8-float
+ * chunks, then hsum8). Two keys and NQ queries at a time: each key load serves NQ queries and each
+ * query load two keys (a quarter of dot_f32's loads a multiply-add at NQ = 4), which is what
+ * a verification's (heads x positions) queries need to be cheaper than one at a time. Keys no
+ * query sees (see[j] == 0) are skipped; the others are scored for every query, visible or not
+ * (the caller reads a query's visible ones only). D a multiple of 16. */
+#define SCORE_TILE(NQ)                                                                              \
+static void scores_##NQ(const float *const *qs, const float *k, const uint8_t *see, int64_t n, int64_t D, \
+                        float *s) {                                                                 \
+    int64_t j = 0;                                                                                  \
+    for (; j + 2 <= n; j += 2) {                                                                    \
+        if (see && !see[j] && !see[j + 1]) continue;                                                \
+        const float *k0 = k + j * D, *k1 = k0 + D;                                                  \
+        __m256 a[NQ][4];                                                                            \
+        for (int q = 0; q < NQ; q++) a[q][0] = a[q][1] = a[q][2] = a[q][3] = _mm256_setzero_ps();   \
+        for (int64_t i = 0; i < D; i += 16) {                                                       \
+            const __m256 k0l = _mm256_loadu_ps(k0 + i), k0h = _mm256_loadu_ps(k0 + i + 8);          \
+            const __m256 k1l = _mm256_loadu_ps(k1 + i), k1h = _mm256_loadu_ps(k1 + i + 8);          \
+            for (int q = 0; q < NQ; q++) {                                                          \
+                const __m256 ql = _mm256_loadu_ps(qs[q] + i), qh = _mm256_loadu_ps(qs[q] + i + 8);  \
+                a[q][0] = _mm256_fmadd_ps(ql, k0l, a[q][0]);                                        \
+                a[q][1] = _mm256_fmadd_ps(qh, k0h, a[q][1]);                                        \
+                a[q][2] = _mm256_fmadd_ps(ql, k1l, a[q][2]);                                        \
+                a[q][3] = _mm256_fmadd_ps(qh, k1h, a[q][3]);                                        \
+            }                                                                                       \
+        }                                                                                           \
+        for (int q = 0; q < NQ; q++) {                                                              \
+            s[q * CHUNK + j] = hsum8(_mm256_add_ps(a[q][0], a[q][1]));                              \
+            s[q * CHUNK + j + 1] = hsum8(_mm256_add_ps(a[q][2], a[q][3]));                          \
+        }                                                                                           \
+    }                                                                                               \
+    for (; j < n; j++)                                                                              \
+        if (!see || see[j])                                                                         \
+            for (int q = 0; q < NQ; q++) s[q * CHUNK + j] = dot_f32(qs[q], k + j * D, D);           \
 }
 
-/* q . k0 and q . k1 (D a multiple of 16), each summed exactly as dot_f32 sums it: two keys at a
- * time give the core four independent chains of multiply-adds instead of two (~15% faster
- * attention at 1200 keys, the same bits). */
-static inline void dot2_f32(const float *q, const float *k0, const float *k1, int64_t D, float *x0, float *x1) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-    for (int64_t i = 0; i < D; i += 16) {
-        const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
-        a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k0 + i), a0);
-        a1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k0 + i + 8), a1);
-        b0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k1 + i), b0);
-        b1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k1 + i + 8), b1);
-    }
-    *x0 = hsum8(_mm256_add_ps(a0, a1));
-    *x1 = hsum8(_mm256_add_ps(b0, b1));
+/* out_i[0..D) = sum_j p_i[j] v_j over the keys query i sees (vis[i] NULL: all), summed in key
+ * order: each output a chain of multiply-adds as fmaf makes them (so the 8-lane loop and the
+ * scalar tail give the same bits). 32 outputs and NQ queries at a time: each value load serves NQ
+ * queries. p: the queries' weights at stride CHUNK. */
+#define VALUE_TILE(NQ)                                                                              \
+static void values_##NQ(const float *p, const uint8_t *const *vis, const float *v, int64_t n, int64_t D, \
+                        float *const *out) {                                                        \
+    int64_t d0 = 0;                                                                                 \
+    for (; d0 + 32 <= D; d0 += 32) {                                                                \
+        __m256 acc[NQ][4];                                                                          \
+        for (int q = 0; q < NQ; q++) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = _mm256_setzero_ps(); \
+        for (int64_t j = 0; j < n; j++) {                                                           \
+            const float *vj = v + j * D + d0;                                                       \
+            const __m256 v0 = _mm256_loadu_ps(vj), v1 = _mm256_loadu_ps(vj + 8);                    \
+            const __m256 v2 = _mm256_loadu_ps(vj + 16), v3 = _mm256_loadu_ps(vj + 24);              \
+            for (int q = 0; q < NQ; q++) {                                                          \
+                if (vis[q] && !vis[q][j]) continue;                                                 \
+                const __m256 w = _mm256_set1_ps(p[q * CHUNK + j]);                                  \
+                acc[q][0] = _mm256_fmadd_ps(w, v0, acc[q][0]);                                      \
+                acc[q][1] = _mm256_fmadd_ps(w, v1, acc[q][1]);                                      \
+                acc[q][2] = _mm256_fmadd_ps(w, v2, acc[q][2]);                                      \
+                acc[q][3] = _mm256_fmadd_ps(w, v3, acc[q][3]);                                      \
+            }                                                                                       \
+        }                                                                                           \
+        for (int q = 0; q < NQ; q++)                                                                \
+            for (int i = 0; i < 4; i++) _mm256_storeu_ps(out[q] + d0 + 8 * i, acc[q][i]);           \
+    }                                                                                               \
+    for (int q = 0; q < NQ; q++)                                                                    \
+        for (int64_t d = d0; d < D; d++) { /* head sizes that are not a multiple of 32 */           \
+            float acc = 0.0f;                                                                       \
+            for (int64_t j = 0; j < n; j++)                                                         \
+                if (!vis[q] || vis[q][j]) acc = fmaf(p[q * CHUNK + j], v[j * D + d], acc);          \
+            out[q][d] = acc;                                                                        \
+        }                                                                                           \
 }
 
-/* One query head over one chunk of n keys: part = [max, sum of exp, D weighted values]; max is
- * -inf when no key of the chunk is visible. s: n floats of scratch. */
-static void chunk_partial(const float *q, const float *k, const float *v, const uint8_t *visible, int64_t n,
-                          int64_t D, float scale, float softcap, float *s, float *part) {
-    for (int64_t j = 0; j < n; j++) {
-        if (visible && !visible[j]) continue;
-        if (D % 16 == 0 && j + 1 < n && (!visible || visible[j + 1])) {
-            dot2_f32(q, k + j * D, k + (j + 1) * D, D, &s[j], &s[j + 1]);
-            j++;
-        } else {
-            s[j] = dot_f32(q, k + j * D, D);
-        }
-    }
+SCORE_TILE(1)
+SCORE_TILE(2)
+SCORE_TILE(3)
+SCORE_TILE(4)
+VALUE_TILE(1)
+VALUE_TILE(2)
+VALUE_TILE(3)
+VALUE_TILE(4)
+
+/* One query's softmax over its visible scores s[0..n) in place (scaled, soft-capped, then
+ * exp(s - max)); part[0] = the max (-inf when it sees no key of the chunk), part[1] = the sum. */
+static void chunk_softmax(float *s, const uint8_t *visible, int64_t n, float scale, float softcap, float *part) {
     float top = -INFINITY;
     for (int64_t j = 0; j < n; j++) {
         if (visible && !visible[j]) continue;
@@ -93,13 +130,56 @@ static void chunk_partial(const float *q, const float *k, const float *v, const 
         total += s[j];
     }
     part[1] = total;
-    weighted_sum(s, visible, v, n, D, part + 2);
 }
 
-/* Floats of `work` attend_rows needs. */
+/* nq <= QUERY_BLOCK queries over one chunk of n keys: part_i = [max, sum of exp, D weighted
+ * values] (parts[i]), as one query alone would get them. s: QUERY_BLOCK * CHUNK floats. */
+static void chunk_partials(const float *const *qs, const uint8_t *const *vis, const float *k, const float *v,
+                           int nq, int64_t n, int64_t D, float scale, float softcap, float *s, float *const *parts) {
+    uint8_t see[CHUNK]; /* keys some query of the block sees */
+    const uint8_t *seen = 0;
+    for (int q = 0; q < nq; q++)
+        if (vis[q]) seen = see;
+    if (seen)
+        for (int64_t j = 0; j < n; j++) {
+            see[j] = 0;
+            for (int q = 0; q < nq; q++) see[j] |= !vis[q] || vis[q][j];
+        }
+    if (D % 16 == 0) {
+        switch (nq) {
+        case 1: scores_1(qs, k, seen, n, D, s); break;
+        case 2: scores_2(qs, k, seen, n, D, s); break;
+        case 3: scores_3(qs, k, seen, n, D, s); break;
+        default: scores_4(qs, k, seen, n, D, s); break;
+        }
+    } else {
+        for (int q = 0; q < nq; q++)
+            for (int64_t j = 0; j < n; j++)
+                if (!vis[q] || vis[q][j]) s[q * CHUNK + j] = dot_f32(qs[q], k + j * D, D);
+    }
+    const uint8_t *live_vis[QUERY_BLOCK]; /* the queries that see a key of this chunk, weights packed */
+    float *live_out[QUERY_BLOCK];
+    int m = 0;
+    for (int q = 0; q < nq; q++) {
+        chunk_softmax(s + q * CHUNK, vis[q], n, scale, softcap, parts[q]);
+        if (parts[q][0] == -INFINITY) continue;
+        if (m != q) memcpy(s + m * CHUNK, s + q * CHUNK, sizeof(float) * n);
+        live_vis[m] = vis[q], live_out[m] = parts[q] + 2, m++;
+    }
+    switch (m) {
+    case 0: break;
+    case 1: values_1(s, live_vis, v, n, D, live_out); break;
+    case 2: values_2(s, live_vis, v, n, D, live_out); break;
+    case 3: values_3(s, live_vis, v, n, D, live_out); break;
+    default: values_4(s, live_vis, v, n, D, live_out); break;
+    }
+}
+
+/* Floats of `work` attend_rows needs: the chunks' partial results and each task's scores (a
+ * task's query block may run past the last query: QUERY_BLOCK - 1 more rows of scores per head). */
 int64_t attend_work(int64_t B, int64_t H, int64_t T, int64_t S, int64_t D) {
     const int64_t chunks = (S + CHUNK - 1) / CHUNK;
-    return B * H * T * chunks * (CHUNK + D + 2);
+    return B * H * T * chunks * (D + 2) + B * H * (T + QUERY_BLOCK - 1) * chunks * CHUNK;
 }
 
 /* q [B, H, T, D] (strides q_sb, q_sh, q_st; D contiguous), k and v [B, Hkv, S, D] (strides k_sb,
@@ -111,21 +191,30 @@ void attend_rows(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_st,
                  int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t S, int64_t D,
                  float scale, float softcap, float *work, int threads)
 {
-    const int64_t group = H / Hkv, chunks = (S + CHUNK - 1) / CHUNK, tasks = B * Hkv * T * chunks;
+    /* A task: one KV head's chunk of keys against a block of QUERY_BLOCK of the queries that read
+     * that head (its group's heads at every position, position-major). Blocks are the fastest
+     * index, so a thread's consecutive tasks read the same keys and values (from cache). */
+    const int64_t group = H / Hkv, chunks = (S + CHUNK - 1) / CHUNK, queries = group * T,
+                  blocks = (queries + QUERY_BLOCK - 1) / QUERY_BLOCK, tasks = B * Hkv * chunks * blocks;
     float *parts = work, *scores = work + B * H * T * chunks * (D + 2); /* parts [B, H, T, chunks, D + 2] */
     const int parallel = tasks > 1 && B * H * T * S * D >= (1 << 17); /* below that, waking threads costs more */
 #pragma omp parallel for schedule(static) num_threads(threads) if (parallel)
     for (int64_t task = 0; task < tasks; task++) {
-        const int64_t c = task % chunks, t = (task / chunks) % T, hk = (task / (chunks * T)) % Hkv,
-                      b = task / (chunks * T * Hkv);
+        const int64_t qb = task % blocks, c = (task / blocks) % chunks, hk = (task / (blocks * chunks)) % Hkv,
+                      b = task / (blocks * chunks * Hkv);
         const int64_t j0 = c * CHUNK, n = S - j0 < CHUNK ? S - j0 : CHUNK;
-        const float *kc = k + b * k_sb + hk * k_sh + j0 * D, *vc = v + b * v_sb + hk * v_sh + j0 * D;
-        const uint8_t *vis = mask ? mask + b * m_sb + t * m_st + j0 : 0;
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t h = hk * group + g;
-            chunk_partial(q + b * q_sb + h * q_sh + t * q_st, kc, vc, vis, n, D, scale, softcap,
-                          scores + task * CHUNK, parts + (((b * H + h) * T + t) * chunks + c) * (D + 2));
+        const float *qs[QUERY_BLOCK];
+        const uint8_t *vis[QUERY_BLOCK];
+        float *part[QUERY_BLOCK];
+        int nq = 0;
+        for (int64_t u = qb * QUERY_BLOCK; u < queries && nq < QUERY_BLOCK; u++, nq++) {
+            const int64_t t = u / group, h = hk * group + u % group;
+            qs[nq] = q + b * q_sb + h * q_sh + t * q_st;
+            vis[nq] = mask ? mask + b * m_sb + t * m_st + j0 : 0;
+            part[nq] = parts + (((b * H + h) * T + t) * chunks + c) * (D + 2);
         }
+        chunk_partials(qs, vis, k + b * k_sb + hk * k_sh + j0 * D, v + b * v_sb + hk * v_sh + j0 * D, nq, n, D,
+                       scale, softcap, scores + task * QUERY_BLOCK * CHUNK, part);
     }
     /* merge each row's chunks in key order */
 #pragma omp parallel for schedule(static) num_threads(threads) if (B * H * T * chunks * D >= (1 << 16))

@@ -20,7 +20,7 @@ from specdraft.drafters.ngram import NgramDrafter
 from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
 from specdraft.speculative.verify import HEAD_BLOCK
-from specdraft.speculative.policy import (LEARNING_RATE, SAMPLED_LEARNING_RATE, SAMPLED_RELAX, AdaptivePolicy, FixedPolicy, MeasuredCosts, cost_key, head_sizes,
+from specdraft.speculative.policy import (LEARNING_RATE, SAMPLED_LEARNING_RATE, SAMPLED_RELAX, AdaptivePolicy, FixedPolicy, MeasuredCosts, confident_rows, cost_key, head_sizes,
                                           monotone, profiled_widths, row_buckets)
 
 
@@ -227,6 +227,20 @@ def test_cost_cache_round_trip(gemma_tiny, tmp_path):
     assert MeasuredCosts({**key, "code": "an older forward"}, tmp_path).target == {}  # code changes re-profile too
     other.ensure(model, drafter, 1, 2, 2)
     assert other.profiled > 0 and other.path != first.path
+
+
+def test_head_is_timed_on_the_rows_the_model_is_surest_about(gemma_tiny):
+    """The exact greedy head costs more on near-ties (models/screened_head.py), which real decoding
+    rarely meets: its cost is timed on the rows with the widest gap between their two best scores,
+    in that order, repeated past the rows there are."""
+    model = gemma_tiny.ours
+    states = torch.randn(40, model.config.hidden_size, generator=torch.Generator().manual_seed(0)) * 3
+    with torch.inference_mode():
+        best = model.logits(states).topk(2, dim=-1).values
+    order = (best[:, 0] - best[:, 1]).argsort(descending=True)
+    with torch.inference_mode():
+        assert torch.equal(confident_rows(model, states, 5), states[order[:5]])
+        assert torch.equal(confident_rows(model, states, 50), torch.cat([states[order], states[order[:10]]]))
 
 
 def _tabled_costs(tmp_path, forward: dict[int, float], head: dict[int, float]) -> MeasuredCosts:

@@ -20,7 +20,7 @@ from specdraft.drafters.ngram import NgramDrafter
 from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
 from specdraft.speculative.verify import HEAD_BLOCK
-from specdraft.speculative.policy import (LEARNING_RATE, SAMPLED_LEARNING_RATE, SAMPLED_RELAX, AdaptivePolicy, FixedPolicy, MeasuredCosts, confident_rows, cost_key, head_sizes,
+from specdraft.speculative.policy import (LEARNING_RATE, SAMPLED_LEARNING_RATE, SAMPLED_RELAX, AdaptivePolicy, FixedPolicy, MeasuredCosts, by_confidence, cost_key, first_rows, head_sizes,
                                           monotone, profiled_widths, row_buckets)
 
 
@@ -239,8 +239,9 @@ def test_head_is_timed_on_the_rows_the_model_is_surest_about(gemma_tiny):
         best = model.logits(states).topk(2, dim=-1).values
     order = (best[:, 0] - best[:, 1]).argsort(descending=True)
     with torch.inference_mode():
-        assert torch.equal(confident_rows(model, states, 5), states[order[:5]])
-        assert torch.equal(confident_rows(model, states, 50), torch.cat([states[order], states[order[:10]]]))
+        ranked = by_confidence(model, states)
+        assert torch.equal(first_rows(ranked, 5), states[order[:5]])
+        assert torch.equal(first_rows(ranked, 50), torch.cat([states[order], states[order[:10]]]))
 
 
 def _tabled_costs(tmp_path, forward: dict[int, float], head: dict[int, float]) -> MeasuredCosts:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specdraft.kv_cache import KVCache
-from specdraft.speculative.policy import confident_rows, profile_tokens
+from specdraft.speculative.policy import by_confidence, first_rows, profile_tokens
 
 
 @dataclass
@@ -68,14 +68,14 @@ def step_times(model: torch.nn.Module, batch_sizes: list[int], widths: list[int]
     for b in batch_sizes:
         cache: KVCache = model.new_cache(b, context + max(widths) + 1)
         text = profile_tokens(vocab, b, context + max(widths), seed=0)  # as the adaptive policy times steps
-        states = model(text[:, :context].to(cache.device), cache)[0, -128:]
+        states = by_confidence(model, model(text[:, :context].to(cache.device), cache)[0, -128:])
         base = None
         for w in widths:
             tokens = text[:, context : context + w].to(cache.device)
             # the head over b * w rows the model is sure about, as on most real steps (timed apart
             # from the forward, as the policy does: on the profile text's unsure rows the exact
             # greedy head reads the table twice)
-            rows = confident_rows(model, states, b * w)
+            rows = first_rows(states, b * w)
 
             def forward() -> None:
                 cache.rollback([context] * b)

@@ -382,3 +382,67 @@ def test_corpus_fraction_sets_the_batches_mix(tiny_target, tiny_data, corpus_seq
     assert abs(share[0.25] - 0.25) < 0.06 and abs(share[0.75] - 0.75) < 0.06, share
     uniform = len(corpus_seqs[1]) / len(mixed)  # None: every sequence equally likely
     assert abs(share[None] - uniform) < 0.08, (share, uniform)
+
+
+def word_line_ends(tokenizer) -> set[int]:
+    """The tiny word-level vocabulary has no line break: a third of its words stand in for one."""
+    return {tokenizer.token_to_id(f"w{i}") for i in range(40)}
+
+
+def test_synthetic_prompts_are_new_guarded_and_resume_to_the_same_list(tiny_target, tmp_path, monkeypatch):
+    from specdraft.training import synthetic
+
+    monkeypatch.setattr(synthetic, "line_end_ids", word_line_ends)
+    seeds = word_prompts(16, 5)
+    cfg = synthetic.SyntheticConfig(shots=3, max_tokens=12, batch_size=8, min_words=2)
+    refuse = lambda p: "w60" in p.split()  # noqa: E731
+    path = tmp_path / "synthetic.jsonl"
+    made = synthetic.synthesize_prompts(tiny_target, seeds, 12, path, cfg, refuse=refuse)
+    assert len(made) == 12 and len(set(made)) == 12
+    assert not set(made) & set(seeds) and not any(map(refuse, made))
+    assert all(len(p.split()) >= 2 and "\n" not in p for p in made)
+    # Interrupted after the first batch, in the middle of writing the second: the rerun redoes
+    # the second batch with the same seed and ends with the same prompts.
+    lines = path.read_text().splitlines()
+    first_done = lines.index(json.dumps({"batch_done": 0}))
+    path.write_text("\n".join(lines[: first_done + 2]) + '\n{"prompt": "w1 w2')
+    assert synthetic.synthesize_prompts(tiny_target, seeds, 12, path, cfg, refuse=refuse) == made
+    # Enough cached: nothing is generated; more asked: the list grows at its end.
+    monkeypatch.setattr(synthetic, "record_answers", None)
+    assert synthetic.synthesize_prompts(tiny_target, seeds, 5, path, cfg, refuse=refuse) == made[:5]
+
+
+def test_synthetic_prompts_need_single_line_examples(tiny_target, tmp_path):
+    from specdraft.training.synthetic import SyntheticConfig, synthesize_prompts
+
+    with pytest.raises(SpecdraftError, match="at least 4 single-line training prompts"):
+        synthesize_prompts(tiny_target, ["w1 w2\nw3", "w4"], 3, tmp_path / "s.jsonl", SyntheticConfig())
+
+
+def test_a_prompt_cut_by_the_token_limit_is_dropped():
+    from specdraft.training.synthetic import SyntheticConfig, clean
+
+    cfg = SyntheticConfig()
+    assert clean(" Write a poem about rain.\nQuestion: more", True, cfg) == "Write a poem about rain."
+    assert clean(" Write a poem about rain and", False, cfg) is None
+    assert clean(" Hi there\n", True, cfg) is None  # fewer than min_words
+
+
+def test_train_cli_adds_synthetic_prompts(tiny_target, tmp_path, monkeypatch):
+    from specdraft.cli.main import main
+    from specdraft.training import synthetic
+
+    monkeypatch.setattr(synthetic, "line_end_ids", word_line_ends)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(word_prompts(12, 8)) + "\n")
+    out = tmp_path / "run"
+    assert main(["train-drafter", "--model", str(tiny_target.folder), "--dtype", "float32", "--device", "cpu",
+                 "--prompts", str(prompts), "--synthetic-prompts", "6", "--synthetic-from", str(prompts),
+                 "--answer-tokens", "8", "--steps", "2", "--batch-size", "4", "--anchors", "4", "--eval-every",
+                 "2", "--held-out", "2", "--hidden", "32", "--heads", "4", "--clusters", "0",
+                 "--out", str(out)]) == 0
+    written = [json.loads(l)["prompt"] for l in (out / "data" / "synthetic_prompts.jsonl").read_text().splitlines()
+               if "prompt" in json.loads(l)]
+    assert len(written) == 6
+    plain = load_prompt_set([prompts], [], held_out_fraction=0.05).train
+    assert json.loads((out / "training.json").read_text())["train_sequences"] == len(plain) + 6

@@ -58,6 +58,15 @@ def _register_train(sub) -> None:
     p.add_argument("--skip-prompts", type=int, default=0,
                    help="skip the first N training prompts (in the fixed shuffled order), e.g. the ones the "
                         "drafter given to --init-from was trained on (default 0)")
+    p.add_argument("--synthetic-prompts", type=int, default=0, metavar="N",
+                   help="the target also writes N new prompts in the style of the single-line --prompts (shown "
+                        "four at a time as a list of questions, sampled a line at a time; cached in "
+                        "OUT/data/synthetic_prompts.jsonl) and answers them like the others: prompts closer to "
+                        "open questions than benchmark templates are (default 0)")
+    p.add_argument("--synthetic-from", type=Path, nargs="+", default=None, metavar="FILE",
+                   help="prompt files whose single-line prompts --synthetic-prompts shows the target (default: "
+                        "--prompts); e.g. a small file of varied instructions when --prompts is dominated by one "
+                        "kind of task")
     p.add_argument("--corpus", type=Path, nargs="+", default=[],
                    help="text files for prefill distillation (same formats as --prompts): the target reads each "
                         "text in one forward pass and every position becomes a training example labelled with "
@@ -209,10 +218,12 @@ def _check_train_args(args) -> None:
     """Every train-drafter flag that can be judged without the target, before anything loads."""
     _at_least(args, ("steps", "batch_size", "anchors", "draft_tokens", "answer_tokens", "eval_every", "num_prompts",
                      "shortlist"), 1)
-    _at_least(args, ("held_out", "skip_prompts"), 0)
+    _at_least(args, ("held_out", "skip_prompts", "synthetic_prompts"), 0)
     _at_least(args, ("corpus_texts",), 1)
     if not 0 < args.corpus_fraction < 1:  # NaN fails too
         raise SpecdraftError(f"--corpus-fraction {args.corpus_fraction} must be between 0 and 1 (try 0.5)")
+    if args.synthetic_from and not args.synthetic_prompts:
+        raise SpecdraftError("--synthetic-from only chooses the examples for --synthetic-prompts N; pass both")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise SpecdraftError(f"--lr {args.lr} must be a positive number (try 1e-3)")
     if args.answer_tokens <= args.draft_tokens:
@@ -221,6 +232,7 @@ def _check_train_args(args) -> None:
                              f"{args.draft_tokens} on: answers need at least K + 1 tokens (try --answer-tokens "
                              f"{max(160, args.draft_tokens + 1)})")
     for flag, paths in (("--prompts", args.prompts), ("--corpus", args.corpus or []),
+                        ("--synthetic-from", args.synthetic_from or []),
                         ("--exclude-eval", args.exclude_eval or [])):
         for path in paths:  # before the target loads: a typo costs no model load
             if not Path(path).is_file():
@@ -278,6 +290,20 @@ def _resumed_config(rt, args, folder: Path | None = None, what: str = "the check
     return cfg
 
 
+def _synthetic(rt, args, examples: list[str]) -> list[str]:
+    from specdraft.training.prompts import EvalGuard, load_prompt_set
+    from specdraft.training.synthetic import SyntheticConfig, synthesize_prompts
+
+    guard = EvalGuard(args.exclude_eval) if args.exclude_eval else None
+    if args.synthetic_from:
+        examples = load_prompt_set(args.synthetic_from, args.exclude_eval, held_out_fraction=0.0,
+                                   what="--synthetic-from file").train
+    made = synthesize_prompts(rt, examples, args.synthetic_prompts, args.out / "data" / "synthetic_prompts.jsonl",
+                              SyntheticConfig(seed=args.seed), refuse=guard.contaminated if guard else None)
+    print(f"synthetic prompts: {len(made)} written by the target", file=sys.stderr)
+    return made
+
+
 def _describe(cfg) -> str:
     head_dim = cfg.head_dim[cfg.layer_types[-1]]
     clusters = f"{cfg.num_centroids} clusters (top {cfg.top_k_clusters})" if cfg.clustered else "dense head"
@@ -310,6 +336,7 @@ def run_train(args) -> int:
     else:
         drafter_cfg = _drafter_config(rt, args, args.draft_tokens)
     prompts = load_prompt_set(args.prompts, args.exclude_eval, held_out_fraction=0.05)
+    examples = prompts.train  # the few-shot pool for --synthetic-prompts: every training prompt
     end = None if args.num_prompts is None else args.skip_prompts + args.num_prompts
     prompts.train = prompts.train[args.skip_prompts : end]
     if not prompts.train:
@@ -318,6 +345,8 @@ def run_train(args) -> int:
     # The same held-out split by content hash: a held-out prompt never enters the corpus.
     corpus = load_prompt_set(args.corpus, args.exclude_eval, held_out_fraction=0.05, limit=args.corpus_texts,
                              what="corpus file") if args.corpus else None
+    if args.synthetic_prompts:  # last: every other input has been checked by now
+        prompts.train += _synthetic(rt, args, examples)
     print(f"prompts: {len(prompts.train)} train, {len(held)} held out, {len(prompts.refused)} refused as "
           f"overlapping the evaluation files", file=sys.stderr)
     if corpus is not None:

@@ -157,6 +157,9 @@ def test_recorded_features_equal_a_teacher_forced_pass(tiny_target, tiny_data):
         logp = torch.log_softmax(model.logits(hidden[s.prompt_length - 1 : n - 1]), -1)
         torch.testing.assert_close(s.topk_logp[s.prompt_length - 1 : n - 1], torch.topk(logp, 4).values,
                                    atol=1e-4, rtol=1e-4)
+        if s.temperature == 0:  # greedy: each answer token is the head's top-1 at the position before
+            answer = s.tokens[s.prompt_length : n]
+            assert torch.equal(answer, s.topk_ids[s.prompt_length - 1 : n - 1, 0])
 
 
 def test_decoding_replay_jumps_past_accepted_drafts():

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from specdraft.config import FULL, SLIDING
 from specdraft.drafters.mtp.source import kv_source
+from specdraft.sampling import sample
 from specdraft.training.prompts import BASE_TEMPLATE, format_prompt
 
 
@@ -60,6 +61,11 @@ def record_answers(model: torch.nn.Module, prompts: list[list[int]], max_new_tok
     Prompt positions get their hidden states from the prefill, answer positions from the
     one-token decode steps (as a verify pass would produce them); the K/V of every position are
     read from the cache at the end. Nothing is recomputed in a second pass.
+
+    Greedy answers are the float32 model's own (its logits, not the bf16 label head of corpus
+    text: that one moved 10 of 32 greedy answers within 48 tokens for a 1.06x faster step).
+    Sampled rows draw by the inverse CDF (sampling.sample): torch.multinomial over 262k tokens
+    took 229 ms a step at 32 rows, and sampled batches now generate 1.5x faster.
     """
     b = len(prompts)
     gen = torch.Generator().manual_seed(seed)
@@ -74,19 +80,20 @@ def record_answers(model: torch.nn.Module, prompts: list[list[int]], max_new_tok
     cache.rollback(lengths)
     prompt_hidden = hidden
     last = hidden[rows, lengths - 1]
+    stops = torch.tensor(sorted(eos), dtype=torch.long)
     steps_hidden, steps_ids, steps_logp, answer = [], [], [], []
     alive = torch.ones(b, dtype=torch.bool)
     for _ in range(max_new_tokens):
-        logp = torch.log_softmax(model.logits(last), dim=-1)
-        top = torch.topk(logp, topk, dim=-1)
+        logits = model.logits(last)
+        top = torch.topk(logits, topk, dim=-1)
         steps_ids.append(top.indices)
-        steps_logp.append(top.values)
+        steps_logp.append(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
         if temperature == 0:
             nxt = top.indices[:, 0]
         else:
-            nxt = torch.multinomial(torch.softmax(logp / temperature, dim=-1), 1, generator=gen).squeeze(1)
+            nxt = sample(torch.softmax(logits / temperature, dim=-1), gen)
         answer.append(torch.where(alive, nxt, -1))
-        alive &= ~torch.isin(nxt, torch.tensor(sorted(eos), dtype=torch.long))
+        alive &= ~torch.isin(nxt, stops)
         if not alive.any():
             break
         last = model(nxt[:, None], cache)[:, 0]

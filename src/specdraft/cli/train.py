@@ -345,8 +345,13 @@ def run_train(args) -> int:
     # The same held-out split by content hash: a held-out prompt never enters the corpus.
     corpus = load_prompt_set(args.corpus, args.exclude_eval, held_out_fraction=0.05, limit=args.corpus_texts,
                              what="corpus file") if args.corpus else None
+    rank0 = not distributed or __import__("torch").distributed.get_rank() == 0
     if args.synthetic_prompts:  # last: every other input has been checked by now
+        if not rank0:  # rank 0 writes them; the others read its file
+            __import__("torch").distributed.barrier()
         prompts.train += _synthetic(rt, args, examples)
+        if distributed and rank0:
+            __import__("torch").distributed.barrier()
     print(f"prompts: {len(prompts.train)} train, {len(held)} held out, {len(prompts.refused)} refused as "
           f"overlapping the evaluation files", file=sys.stderr)
     if corpus is not None:
@@ -356,7 +361,6 @@ def run_train(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "held_out_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held))
     data_cfg = DataConfig(max_new_tokens=args.answer_tokens, seed=args.seed, first_prompt=args.skip_prompts)
-    rank0 = not distributed or __import__("torch").distributed.get_rank() == 0
     if rank0:
         build_dataset(rt, prompts.train, args.out / "data" / "train", data_cfg)
         build_dataset(rt, held, args.out / "data" / "held_out", replace(data_cfg, first_prompt=0), desc="held-out data")

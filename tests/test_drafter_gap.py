@@ -81,6 +81,11 @@ def test_replayed_decoding_predicts_the_engine_exactly_in_float32(gemma_tiny, tm
     assert r["anchors_compared"] > 0 and r["anchors_agreeing"] == 1.0 and r["first_drafts_agreeing"] == 1.0
     # Acceptance at the replayed anchors is the engine's acceptance (both conditional on earlier drafts).
     assert r["replay_acceptance"] == r["engine_acceptance"]
+    buckets = r["first_draft"]["by_target_confidence"]
+    assert abs(sum(b["share"] for b in buckets) - 1) < 1e-3
+    # Weighted by share, the buckets' acceptance is the teacher-forced first-draft acceptance.
+    overall = sum(b["share"] * b["acceptance"] for b in buckets if b["share"])
+    assert abs(overall - r["teacher_forced_acceptance"][0]) < 1e-3, (overall, r["teacher_forced_acceptance"])
     if clustered:
         recall = r["engine_cluster_recall"]
         assert all(0 <= x <= 1 for x in recall[4] if x is not None)
@@ -88,6 +93,29 @@ def test_replayed_decoding_predicts_the_engine_exactly_in_float32(gemma_tiny, tm
         assert all(b >= a for a, b in zip(recall[4], recall[8]) if a is not None)
     else:
         assert r["engine_cluster_recall"] is None
+
+
+def test_first_draft_acceptance_is_split_by_confidence_and_repeated_pairs():
+    from specdraft.training.data import Sequence
+    from specdraft.training.evaluate import first_draft_breakdown
+
+    tokens = torch.tensor([3, 4, 3, 4, 5, 6])
+    n = len(tokens)
+    logp = torch.log(torch.tensor([0.95, 0.3, 0.995, 0.6, 0.95, 0.0]))[:, None]
+    ids = torch.tensor([4, 3, 4, 9, 9, 0])[:, None]  # the target's top-1 after each position
+    seq = Sequence(tokens=tokens, prompt_length=1, temperature=0.0, hidden=torch.zeros(n, 2), keys={},
+                   values={}, topk_ids=ids, topk_logp=logp)
+    # anchor t drafts the token predicted at t + 1 (ids[t + 1]); anchor 4 has no prediction after it
+    picks = {0: (1, 3), 1: (0, 0), 2: (1, 9), 3: (0, 1), 4: (0, 0)}
+    out = first_draft_breakdown([seq], [picks])
+    by = {b["target_top1"]: b for b in out["by_target_confidence"]}
+    assert by["0-0.5"] == {"target_top1": "0-0.5", "share": 0.25, "acceptance": 1.0}
+    assert by["0.5-0.7"]["acceptance"] == 1.0
+    assert by["0.9-0.99"] == {"target_top1": "0.9-0.99", "share": 0.25, "acceptance": 0.0}
+    assert by["0.99-1"] == {"target_top1": "0.99-1", "share": 0.25, "acceptance": 0.0}
+    assert by["0.7-0.9"]["acceptance"] is None
+    # Anchor 1 drafts 4 after 3 (the pair (3, 4) is at 0-1): repeated; anchors 0, 2, 3 are new pairs.
+    assert out["repeated_pairs"] == {"share": 0.25, "acceptance": 0.0, "elsewhere_acceptance": round(2 / 3, 4)}
 
 
 def test_eval_drafter_drafts_every_round_at_batch_8(tmp_path):

@@ -3,6 +3,8 @@ training), and real acceptance with the engine for a range of K, greedy and samp
 
 from __future__ import annotations
 
+import math
+
 import random
 import time
 from dataclasses import dataclass
@@ -296,6 +298,7 @@ def acceptance_gap(rt, drafter: MTPDrafter, prompts: list[str], k: int, max_new_
                                        min_confidence=min_confidence)
     if log:
         log(f"teacher-forced: {tf}")
+    first_draft = first_draft_breakdown(seqs, per_seq)
 
     rec = RecordingDrafter(drafter, max(top_ks), min_confidence)
     head = drafter.net.masked_embedding
@@ -355,4 +358,45 @@ def acceptance_gap(rt, drafter: MTPDrafter, prompts: list[str], k: int, max_new_
         "first_drafts_agreeing": round(first_agree / compared, 4) if compared else None,
         "texts_equal_to_plain": f"{same_text}/{len(ids)}",
         "engine_rounds": rounds,
+        "first_draft": first_draft,
+    }
+
+
+CONFIDENCE_EDGES = (0.0, 0.5, 0.7, 0.9, 0.99, 1.0)
+
+
+def first_draft_breakdown(seqs: list[Sequence], per_seq: list[dict]) -> dict:
+    """Teacher-forced first-draft acceptance over every anchor, split two ways.
+
+    By how sure the target itself was of the token drafted (its top-1 probability there): a
+    drafter can hardly beat the target's own doubt, so this separates "the text is hard for the
+    target too" (many anchors in the low buckets) from "the drafter misses what the target is
+    sure of" (low acceptance in the high buckets). And by whether the pair (current token,
+    drafted token) already occurred earlier in the text: the continuations prompt lookup could
+    copy, which a drafter reading the target's cache has to learn to copy by attention."""
+    hits = [[0, 0] for _ in CONFIDENCE_EDGES[1:]]
+    pairs = {True: [0, 0], False: [0, 0]}
+    for seq, anchors in zip(seqs, per_seq):
+        toks = seq.tokens.tolist()
+        for t, (_, first) in anchors.items():
+            if t + 1 > len(toks) - 2:  # no target prediction recorded there
+                continue
+            want = int(seq.topk_ids[t + 1, 0])
+            p = math.exp(float(seq.topk_logp[t + 1, 0]))
+            b = next(i for i, hi in enumerate(CONFIDENCE_EDGES[1:]) if p <= hi or i == len(hits) - 1)
+            repeated = any(toks[j] == toks[t + 1] and toks[j + 1] == want for j in range(t + 1))
+            for cell in (hits[b], pairs[repeated]):
+                cell[0] += 1
+                cell[1] += int(first == want)
+    total = sum(n for n, _ in hits) or 1
+
+    def rate(cell: list[int]) -> float | None:
+        return round(cell[1] / cell[0], 4) if cell[0] else None
+
+    return {
+        "by_target_confidence": [{"target_top1": f"{lo:g}-{hi:g}", "share": round(cell[0] / total, 4),
+                                  "acceptance": rate(cell)}
+                                 for lo, hi, cell in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:], hits)],
+        "repeated_pairs": {"share": round(pairs[True][0] / total, 4), "acceptance": rate(pairs[True]),
+                           "elsewhere_acceptance": rate(pairs[False])},
     }

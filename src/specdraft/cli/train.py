@@ -131,7 +131,8 @@ def _register_eval(sub) -> None:
                         "teacher-forced on those answers (every anchor, and only where replayed decoding starts "
                         "rounds), then the engine decodes the same prompts, reporting acceptance, cluster "
                         "recall at top 32/64 in real decoding and per-anchor agreement with the teacher-forced "
-                        "computation; --min-confidence defaults to 0 here")
+                        "computation, and the first draft's acceptance by the target's own top-1 probability and "
+                        "on token pairs the text already repeated (copies); --min-confidence defaults to 0 here")
     p.set_defaults(run=run_eval)
 
 

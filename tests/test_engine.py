@@ -28,7 +28,7 @@ LENGTHS = {1: [9], 3: [4, 13, 1], 8: [6, 2, 15, 9, 1, 11, 4, 7]}
 KS = [1, 3, 7]
 DRAFTERS = ["ngram", "draft-model-self", "draft-model-noisy", "mtp-dense-own", "mtp-dense-target",
             "mtp-clustered-own", "mtp-clustered-target", "mtp+ngram", "oracle-noisy", "mtp-early-stop",
-            "mtp-early-stop+ngram"]
+            "mtp-early-stop+ngram", "mtp-copy"]
 # The clustered drafter stopping each row after a draft it gave less than EARLY_STOP: ragged widths.
 EARLY_STOP = 0.038  # this random drafter's confidences sit around 1/32 (its candidates): about half stop
 
@@ -79,6 +79,9 @@ def drafter_factory(gemma_tiny: TinyModel, tmp_path_factory):
             return DraftModelDrafter(noisy)
         if name == "mtp+ngram":
             return MTPWithLookup(mtp["mtp-clustered-target"])
+        if name == "mtp-copy":  # every unsure draft copied from the text where it can be
+            base = mtp["mtp-clustered-target"]
+            return MTPDrafter(base.net, base.target, base.sources, min_confidence=EARLY_STOP, copy_below=0.05)
         if name.startswith("mtp-early-stop"):
             base = mtp["mtp-clustered-target"]
             early = MTPDrafter(base.net, base.target, base.sources, min_confidence=EARLY_STOP)
@@ -148,6 +151,12 @@ def test_greedy_speculative_equals_plain(name: str, k: int, b: int, gemma_tiny, 
         # Some rounds stopped before K drafts, some went on past the first.
         drafted = [sum(r.stats.drafted_by_position[j] for r in results) for j in range(k)]
         assert drafted[0] > drafted[1] > 0, drafted
+    if name == "mtp-copy" and k > 1 and b > 1:
+        # The tiny target's greedy texts repeat (the one-row prompt's does not within 30 tokens):
+        # copies are accepted where the random drafter's own drafts are not.
+        same = Engine(gemma_tiny.ours, None, drafter_factory("mtp-early-stop", []), k)
+        without = same.generate(prompts, MAX_NEW, eos_token_ids=[])
+        assert sum(r.stats.accepted for r in results) > 2 * sum(r.stats.accepted for r in without) + 2
     if name == "draft-model-self":
         # Drafts are the target's own greedy tokens: every draft accepted, tau = K + 1.
         for r in results:
@@ -305,6 +314,34 @@ def test_mtp_with_lookup_chooses_per_row(gemma_tiny, drafter_factory) -> None:
     wide = both.propose(inp, 10, SamplingParams(), None)
     assert wide.tokens.shape == (2, 10) and wide.num_valid.tolist() == [8, 10]
     assert wide.tokens[0, :8].tolist() == [5, 6, 7, 8, 9, 10, 11, 3]
+
+
+def test_unsure_drafts_copy_what_followed_the_current_token_before(gemma_tiny, drafter_factory) -> None:
+    """copy_below 1: every greedy draft whose token occurred earlier in the row's text (drafts
+    included) is what followed it there last time; elsewhere the drafter's own pick."""
+    from specdraft.drafters.mtp.drafter import text_continuation
+
+    assert text_continuation(torch.tensor([3, 4, 5, 3, 9, 3]), 3) == 9  # the most recent occurrence
+    assert text_continuation(torch.tensor([3, 4, 5]), 5) is None
+    target = gemma_tiny.ours
+    base = drafter_factory("mtp-clustered-target", [])
+    rows = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
+    cache = target.new_cache(2, 32)
+    with torch.inference_mode():
+        hidden = target(rows[:, :-1], cache)[:, -1]
+    tokens = torch.zeros(2, 32, dtype=torch.long)
+    tokens[:, :11] = rows
+    inp = DraftInput(rows[:, -1], hidden, torch.tensor([9, 9]), cache, tokens, torch.tensor([True, True]))
+    copying = MTPDrafter(base.net, base.target, base.sources, min_confidence=0.0, copy_below=1.0)
+    draft = copying.propose(inp, 3, SamplingParams(), None)
+    alone = MTPDrafter(base.net, base.target, base.sources, min_confidence=0.0).propose(inp, 3, SamplingParams(), None)
+    assert draft.tokens[0].tolist() == [5, 6, 7]  # 4 -> 5 -> 6 -> 7, as the text went on before
+    assert draft.tokens[1, 0] == alone.tokens[1, 0]  # 13 never occurred before: the drafter's own
+    # Sampling keeps the drafter's own draws (its Q must be what the draft was drawn from).
+    sampled = copying.propose(inp, 3, SamplingParams(temperature=1.0, seed=0), torch.Generator().manual_seed(0))
+    again = MTPDrafter(base.net, base.target, base.sources, min_confidence=0.0).propose(
+        inp, 3, SamplingParams(temperature=1.0, seed=0), torch.Generator().manual_seed(0))
+    assert torch.equal(sampled.tokens, again.tokens)
 
 
 def test_lookup_in_a_loop_cycles_the_period(gemma_tiny, drafter_factory) -> None:

@@ -196,11 +196,12 @@ class RecordingDrafter(MTPDrafter):
     """An MTPDrafter that drafts exactly as the one it wraps and records every round: the anchor
     p, the token b, the drafts, and per draft step the clusters ranked first by the centroid
     scorer (the top `record_clusters`, best first). Cluster recall in real decoding is read off
-    these records against the text the target emitted (`decoding_records`)."""
+    these records against the text the target emitted (`decoding_records`). It never copies
+    from the text (copy_below 0): the gap is about the drafter's own drafts."""
 
     def __init__(self, base: MTPDrafter, record_clusters: int = 64, min_confidence: float | None = None):
         super().__init__(base.net, base.target, base.sources,
-                         base.min_confidence if min_confidence is None else min_confidence)
+                         base.min_confidence if min_confidence is None else min_confidence, copy_below=0.0)
         self.recommended_k = base.recommended_k
         self.record_clusters = record_clusters
         self.rounds: list[dict] = []

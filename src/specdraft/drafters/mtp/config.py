@@ -7,6 +7,8 @@ specdraft's own additions live under the "specdraft" key, which other readers ig
         embedding table after post_projection: no extra V x h memory)
   recommended_k: the K the drafter was tuned for
   min_confidence: a row stops drafting after a draft the drafter gave less probability (0: never)
+  copy_below: greedy drafting copies the text instead of a draft the drafter gave less
+        probability, where the current token occurred before (0: never; drafter.py)
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class MTPConfig:
     q_norm: bool = True
     recommended_k: int | None = None
     min_confidence: float = 0.0
+    copy_below: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)  # anything else under "specdraft"
 
     @property
@@ -80,7 +83,9 @@ class MTPConfig:
                 q_norm=bool(ours.get("q_norm", True)),
                 recommended_k=ours.get("recommended_k"),
                 min_confidence=float(ours.get("min_confidence", 0.0)),
-                extra={k: v for k, v in ours.items() if k not in ("head", "q_norm", "recommended_k", "min_confidence")},
+                copy_below=float(ours.get("copy_below", 0.0)),
+                extra={k: v for k, v in ours.items()
+                       if k not in ("head", "q_norm", "recommended_k", "min_confidence", "copy_below")},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SpecdraftError(f"drafter config.json is missing or has a bad field: {e}") from None
@@ -88,6 +93,8 @@ class MTPConfig:
             raise SpecdraftError(f"drafter layer_types has {len(types)} entries for {n} layers")
         if not 0 <= cfg.min_confidence < 1:
             raise SpecdraftError(f"drafter min_confidence must be in [0, 1), got {cfg.min_confidence}")
+        if not 0 <= cfg.copy_below <= 1:
+            raise SpecdraftError(f"drafter copy_below must be in [0, 1], got {cfg.copy_below}")
         if cfg.head not in ("own", "target"):
             raise SpecdraftError(f"drafter head must be 'own' or 'target', got {cfg.head!r}")
         if cfg.clustered and cfg.vocab_size % cfg.num_centroids:
@@ -129,5 +136,6 @@ class MTPConfig:
                 "use_double_wide_mlp": False,
             },
             "specdraft": {"head": self.head, "q_norm": self.q_norm, "recommended_k": self.recommended_k,
-                          **({"min_confidence": self.min_confidence} if self.min_confidence else {}), **self.extra},
+                          **({"min_confidence": self.min_confidence} if self.min_confidence else {}),
+                          **({"copy_below": self.copy_below} if self.copy_below else {}), **self.extra},
         }

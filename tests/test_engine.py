@@ -290,18 +290,24 @@ def test_engine_rejects_bad_arguments(gemma_tiny) -> None:
         engine.generate([[5] * (ctx - 3)], 4)
 
 
-def test_mtp_with_lookup_chooses_per_row(gemma_tiny, drafter_factory) -> None:
-    """A row whose last two tokens occurred before gets the 8 tokens that followed them; a row
-    without such a match gets the MTP drafter's K drafts, in the same round."""
-    target = gemma_tiny.ours
-    mtp = drafter_factory("mtp-clustered-target", [])
+def two_rows_input(target) -> DraftInput:
+    """Two rows at the start of a round: the first ends in "3 4", which occurred before (then
+    5 6 7 ...); the second ends in tokens never seen before."""
     rows = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
     cache = target.new_cache(2, 32)
     with torch.inference_mode():
         hidden = target(rows[:, :-1], cache)[:, -1]
     tokens = torch.zeros(2, 32, dtype=torch.long)
     tokens[:, :11] = rows
-    inp = DraftInput(rows[:, -1], hidden, torch.tensor([9, 9]), cache, tokens, torch.tensor([True, True]))
+    return DraftInput(rows[:, -1], hidden, torch.tensor([9, 9]), cache, tokens, torch.tensor([True, True]))
+
+
+def test_mtp_with_lookup_chooses_per_row(gemma_tiny, drafter_factory) -> None:
+    """A row whose last two tokens occurred before gets the 8 tokens that followed them; a row
+    without such a match gets the MTP drafter's K drafts, in the same round."""
+    target = gemma_tiny.ours
+    mtp = drafter_factory("mtp-clustered-target", [])
+    inp = two_rows_input(target)
     both = MTPWithLookup(mtp)
     draft = both.propose(inp, 3, SamplingParams(), None)
     alone = mtp.propose(inp, 3, SamplingParams(), None)
@@ -325,13 +331,7 @@ def test_unsure_drafts_copy_what_followed_the_current_token_before(gemma_tiny, d
     assert text_continuation(torch.tensor([3, 4, 5]), 5) is None
     target = gemma_tiny.ours
     base = drafter_factory("mtp-clustered-target", [])
-    rows = torch.tensor([[3, 4, 5, 6, 7, 8, 9, 10, 11, 3, 4], [3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]])
-    cache = target.new_cache(2, 32)
-    with torch.inference_mode():
-        hidden = target(rows[:, :-1], cache)[:, -1]
-    tokens = torch.zeros(2, 32, dtype=torch.long)
-    tokens[:, :11] = rows
-    inp = DraftInput(rows[:, -1], hidden, torch.tensor([9, 9]), cache, tokens, torch.tensor([True, True]))
+    inp = two_rows_input(target)
     copying = MTPDrafter(base.net, base.target, base.sources, min_confidence=0.0, copy_below=1.0)
     draft = copying.propose(inp, 3, SamplingParams(), None)
     alone = MTPDrafter(base.net, base.target, base.sources, min_confidence=0.0).propose(inp, 3, SamplingParams(), None)

@@ -103,6 +103,10 @@ def test_checkpoint_round_trip_same_logits(tiny_target, tiny_data, tmp_path):
     theirs = loaded.logits(z, state)
     assert torch.equal(mine[1], theirs[1])
     torch.testing.assert_close(mine[0], theirs[0], rtol=0, atol=0)
+    # The training checkpoint is a drafter folder too (its optimizer and shortlist files beside
+    # model.safetensors are not read as weights), so any step can be compared in the engine.
+    from_checkpoint = load_mtp_drafter(tmp_path / "run" / "checkpoint", tiny_target.model, torch.float32, "cpu")
+    assert torch.equal(from_checkpoint.logits(z, state)[0], theirs[0])
 
 
 def test_eval_guard_refuses_spec_bench_prompt(tmp_path):

@@ -24,7 +24,8 @@ IGNORED_PREFIXES = (
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    """The weight files of a HF folder: the sharded index's files, or every *.safetensors."""
+    """The weight files of a HF folder: the sharded index's files, else model.safetensors, else
+    every *.safetensors."""
     index = folder / "model.safetensors.index.json"
     if index.exists():
         try:
@@ -36,6 +37,8 @@ def safetensors_files(folder: Path) -> list[Path]:
         if missing:
             raise SpecdraftError(f"{index} names shard(s) that are missing: {', '.join(missing)}")
         return files
+    if (folder / "model.safetensors").exists():  # a single-file checkpoint; other files are not weights
+        return [folder / "model.safetensors"]  # (e.g. a training checkpoint's optimizer.safetensors)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise SpecdraftError(f"{folder}: no *.safetensors weights found")

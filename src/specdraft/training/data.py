@@ -21,6 +21,7 @@ from tqdm import tqdm
 from specdraft.config import FULL, SLIDING
 from specdraft.drafters.mtp.source import kv_source
 from specdraft.sampling import sample
+from specdraft.training.labels import top_log_probs
 from specdraft.training.prompts import BASE_TEMPLATE, format_prompt
 
 
@@ -85,11 +86,11 @@ def record_answers(model: torch.nn.Module, prompts: list[list[int]], max_new_tok
     alive = torch.ones(b, dtype=torch.bool)
     for _ in range(max_new_tokens):
         logits = model.logits(last)
-        top = torch.topk(logits, topk, dim=-1)
-        steps_ids.append(top.indices)
-        steps_logp.append(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
+        top_ids, top_logp = top_log_probs(logits, topk)
+        steps_ids.append(top_ids)
+        steps_logp.append(top_logp)
         if temperature == 0:
-            nxt = top.indices[:, 0]
+            nxt = top_ids[:, 0]
         else:
             nxt = sample(torch.softmax(logits / temperature, dim=-1), gen)
         answer.append(torch.where(alive, nxt, -1))

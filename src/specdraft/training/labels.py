@@ -44,8 +44,14 @@ def topk_log_probs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.T
     minus their logsumexp: no [N, V] log-softmax is written."""
     ids, logp = [], []
     for start in range(0, hidden.shape[0], ROWS_PER_CALL):
-        logits = head(hidden[start : start + ROWS_PER_CALL])
-        top = torch.topk(logits, k, dim=-1)
-        ids.append(top.indices)
-        logp.append(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
+        top_ids, top_logp = top_log_probs(head(hidden[start : start + ROWS_PER_CALL]), k)
+        ids.append(top_ids)
+        logp.append(top_logp)
     return torch.cat(ids), torch.cat(logp)
+
+
+def top_log_probs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [N, V] -> the top-k (ids, log-probabilities) [N, k], without writing [N, V]
+    log-probabilities."""
+    top = torch.topk(logits, k, dim=-1)
+    return top.indices, top.values - torch.logsumexp(logits, dim=-1, keepdim=True)

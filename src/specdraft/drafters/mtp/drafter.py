@@ -64,6 +64,8 @@ def copy_unsure(inp: DraftInput, drafts: list[torch.Tensor], current: torch.Tens
                 unsure: torch.Tensor) -> torch.Tensor:
     """`token` [B] with each unsure row's draft replaced by the text's continuation of its
     current token (the row's sequence so far and its drafts), where it has one."""
+    # A vectorised scan of the row's text per unsure row (microseconds at a few thousand tokens).
+    # drafters/lookup_index.py indexes emitted text only; the round's drafts count here too.
     token = token.clone()
     for row in unsure.nonzero().flatten().tolist():
         seen = inp.tokens[row, : int(inp.position[row]) + 2]

@@ -42,10 +42,16 @@ PROMPT_LEN, NEW_TOKENS = 12, 14
 RTOL = 1e-4  # of max |logit|
 
 
-def make_drafter(target, folder, head: str, clustered: bool) -> MTPDrafter:
+def make_drafter(target, folder, head: str, clustered: bool, gate: bool = False) -> MTPDrafter:
     cfg = drafter_config_for(target, hidden=32, layers=2, heads=4, head=head, clustered=clustered,
                              num_centroids=16 if clustered else None, top_k_clusters=4)
-    save_network(init_network(cfg, target, seed=3, std=0.2), folder)
+    cfg.copy_gate = gate
+    net = init_network(cfg, target, seed=3, std=0.2)
+    if gate:  # open: bonuses of a few logits, varying with z
+        with torch.no_grad():
+            net.copy_gate.proj.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(0))
+            net.copy_gate.proj.bias.fill_(2.0)
+    save_network(net, folder)
     d = load_mtp_drafter(folder, target, torch.float32, "cpu")
     return MTPDrafter(d.net, d.target, d.sources, min_confidence=0.0)  # always K steps
 
@@ -53,8 +59,17 @@ def make_drafter(target, folder, head: str, clustered: bool) -> MTPDrafter:
 @pytest.fixture(scope="module")
 def sequence(gemma_tiny) -> Sequence:
     """One greedy answer recorded exactly as a training shard stores it."""
-    model = gemma_tiny.ours
-    prompt = prompts_of([PROMPT_LEN], gemma_tiny.cfg.vocab_size, seed=5)[0]
+    return recorded(gemma_tiny.ours, prompts_of([PROMPT_LEN], gemma_tiny.cfg.vocab_size, seed=5)[0])
+
+
+@pytest.fixture(scope="module")
+def repeating_sequence(gemma_tiny) -> Sequence:
+    """The same for a prompt that repeats its first half: copies of one and two tokens to read."""
+    half = prompts_of([PROMPT_LEN // 2], gemma_tiny.cfg.vocab_size, seed=6)[0]
+    return recorded(gemma_tiny.ours, half + half)
+
+
+def recorded(model, prompt: list[int]) -> Sequence:
     r = record_answers(model, [prompt], NEW_TOKENS, 0.0, 0, read_slots(model), 4, set())[0]
     slots = read_slots(model)
     return Sequence(tokens=r["tokens"].long(), prompt_length=r["prompt_length"], temperature=0.0,
@@ -89,7 +104,15 @@ def training_logits(drafter: MTPDrafter, seq: Sequence, anchors: list[int], monk
         zs.append(z.detach()[0].clone())
         return z, state
 
+    real_bonus = objective.add_copy_bonus
+
+    def bonus(*a, **kw):  # the logits the loss sees are those with the copy bonus
+        out = real_bonus(*a, **kw)
+        logits[-1] = out.detach()[0].clone()
+        return out
+
     monkeypatch.setattr(objective, "F", F())
+    monkeypatch.setattr(objective, "add_copy_bonus", bonus)
     monkeypatch.setattr(drafter.net, "step", step)
     try:
         with torch.no_grad():
@@ -114,8 +137,8 @@ def decoding_logits(drafter: MTPDrafter, seq: Sequence, t: int):
     seen = []
     real = drafter.logits
 
-    def forced(z, state):
-        logits, cands = real(z, state)
+    def forced(z, state, copies=None):
+        logits, cands = real(z, state, copies)
         k = len(seen)
         seen.append((logits[0].clone(), None if cands is None else cands[0].clone()))
         teacher = tokens[t + 2 + k : t + 3 + k]  # the input training feeds at step k + 1
@@ -136,8 +159,8 @@ def evaluation_logits(drafter: MTPDrafter, seq: Sequence) -> list[dict[int, tupl
     seen = []
     real = drafter.logits
 
-    def record(z, state):
-        out = real(z, state)
+    def record(z, state, copies=None):
+        out = real(z, state, copies)
         seen.append(out)
         return out
 
@@ -158,12 +181,14 @@ def evaluation_logits(drafter: MTPDrafter, seq: Sequence) -> list[dict[int, tupl
     return out
 
 
-@pytest.mark.parametrize("head,clustered", [("own", False), ("target", False), ("own", True), ("target", True)])
-def test_training_and_decoding_drafter_logits_agree(gemma_tiny, sequence, tmp_path, monkeypatch, head, clustered):
+@pytest.mark.parametrize("head,clustered,gate", [("own", False, False), ("target", False, False), ("own", True, False),
+                                                ("target", True, False), ("own", False, True), ("target", True, True)])
+def test_training_and_decoding_drafter_logits_agree(gemma_tiny, sequence, repeating_sequence, tmp_path, monkeypatch,
+                                                    head, clustered, gate):
     model = gemma_tiny.ours
-    drafter = make_drafter(model, tmp_path / "d", head, clustered)
+    drafter = make_drafter(model, tmp_path / "d", head, clustered, gate)
     assert [s.window for s in drafter.sources] == [8, None]
-    seq = sequence
+    seq = repeating_sequence if gate else sequence
     n = len(seq.tokens)
     assert n == PROMPT_LEN + NEW_TOKENS and n > 3 * 8
     # Every position whose K steps have inputs and labels: inside and past the window, prompt and answer.
@@ -181,19 +206,29 @@ def test_training_and_decoding_drafter_logits_agree(gemma_tiny, sequence, tmp_pa
                 # The held-out evaluation runs the inference head over the training batch: same logits and candidates.
                 e_logits, e_cands = evaluated[k][t]
                 assert (e_cands is None) == (cands is None) and (cands is None or torch.equal(e_cands, cands))
-                err = (e_logits - logits).abs().max().item()
-                assert err <= RTOL * max(1.0, logits.abs().max().item()), f"evaluation, anchor {t} step {k + 1}: {err:.3g}"
+                finite = torch.isfinite(logits)  # -inf: a copy column whose token is already a candidate
+                assert torch.equal(finite, torch.isfinite(e_logits))
+                err = (e_logits[finite] - logits[finite]).abs().max().item()
+                assert err <= RTOL * max(1.0, logits[finite].abs().max().item()), \
+                    f"evaluation, anchor {t} step {k + 1}: {err:.3g}"
             ref = train[k][a]
             scale = max(1.0, ref.abs().max().item())
             if cands is None:
                 assert logits.shape == ref.shape
                 got = logits
             else:
-                # Same kept clusters from the training z, and the same logits on their tokens.
-                assert torch.equal(drafter.net.masked_embedding.candidates(train_z[k][a][None])[0], cands), (t, k)
-                got, ref = logits, ref[cands]
+                # Same kept clusters from the training z, and the same logits on their tokens (and on
+                # the copies the gate added as candidates; -inf marks a copy already counted).
+                kept = drafter.net.masked_embedding.candidates(train_z[k][a][None])[0]
+                assert torch.equal(kept, cands[: len(kept)]), (t, k)
+                finite = torch.isfinite(logits)
+                got, ref = logits[finite], ref[cands[finite]]
             err = (got - ref).abs().max().item()
             assert err <= RTOL * scale, f"anchor {t} step {k + 1}: max |diff| {err:.3g} (max |logit| {scale:.3g})"
             worst = max(worst, err / scale)
     assert len(evaluated[0]) >= NEW_TOKENS - K_STEPS  # the evaluation path was compared at every answer anchor
+    if gate:  # the gate had copies to add: the sequence repeats tokens and pairs
+        copies = collate([seq], 1, {s.slot: s.num_kv_heads for s in drafter.sources}, random.Random(0),
+                         torch.float32).copies[0]
+        assert (copies[:, 0] >= 0).sum() > 5 and (copies[:, 1] >= 0).sum() > 0
     print(f"worst relative logit difference {worst:.2g}")

@@ -28,7 +28,7 @@ LENGTHS = {1: [9], 3: [4, 13, 1], 8: [6, 2, 15, 9, 1, 11, 4, 7]}
 KS = [1, 3, 7]
 DRAFTERS = ["ngram", "draft-model-self", "draft-model-noisy", "mtp-dense-own", "mtp-dense-target",
             "mtp-clustered-own", "mtp-clustered-target", "mtp+ngram", "oracle-noisy", "mtp-early-stop",
-            "mtp-early-stop+ngram", "mtp-copy"]
+            "mtp-early-stop+ngram", "mtp-copy", "mtp-gate"]
 # The clustered drafter stopping each row after a draft it gave less than EARLY_STOP: ragged widths.
 EARLY_STOP = 0.038  # this random drafter's confidences sit around 1/32 (its candidates): about half stop
 
@@ -62,6 +62,16 @@ def drafter_factory(gemma_tiny: TinyModel, tmp_path_factory):
                                  num_centroids=16 if clustered else None, top_k_clusters=4)
         save_network(init_network(cfg, target, seed=len(mtp), std=0.1), folder / name)
         mtp[name] = load_mtp_drafter(folder / name, target, torch.float32, "cpu")
+    # The clustered drafter with an open copy gate: a bonus of ~3 on the text's continuations.
+    cfg = drafter_config_for(target, hidden=32, layers=2, heads=4, head="target", clustered=True, num_centroids=16,
+                             top_k_clusters=4)
+    cfg.copy_gate = True
+    net = init_network(cfg, target, seed=3, std=0.1)
+    with torch.no_grad():
+        net.copy_gate.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+        net.copy_gate.proj.bias.fill_(3.0)
+    save_network(net, folder / "mtp-gate")
+    mtp["mtp-gate"] = load_mtp_drafter(folder / "mtp-gate", target, torch.float32, "cpu")
     # A draft model that often agrees with the target: the target with every weight scaled by
     # 1 + N(0, 0.07) (acceptance ~50% at position 1, falling with position).
     noisy, _ = load_ours(gemma_tiny.folder)
@@ -151,7 +161,7 @@ def test_greedy_speculative_equals_plain(name: str, k: int, b: int, gemma_tiny, 
         # Some rounds stopped before K drafts, some went on past the first.
         drafted = [sum(r.stats.drafted_by_position[j] for r in results) for j in range(k)]
         assert drafted[0] > drafted[1] > 0, drafted
-    if name == "mtp-copy" and k > 1 and b > 1:
+    if name in ("mtp-copy", "mtp-gate") and k > 1 and b > 1:
         # The tiny target's greedy texts repeat (the one-row prompt's does not within 30 tokens):
         # copies are accepted where the random drafter's own drafts are not.
         same = Engine(gemma_tiny.ours, None, drafter_factory("mtp-early-stop", []), k)

@@ -22,6 +22,7 @@ recomputes this for the actual df of each case and the test asserts it is >= 0.9
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -192,8 +193,17 @@ def drafters(target: TinyModel, tmp_path_factory):
         table = target.hf(seqs).logits[:, -1].argmax(-1)
     # The same network stopping each row's drafts after an unsure one: ragged draft lengths.
     early = MTPDrafter(mtp.net, mtp.target, mtp.sources, min_confidence=EARLY_STOP)
+    # With an open copy gate: the text's continuations get a bonus, often from outside the kept
+    # clusters (an extra candidate in Q).
+    gated = init_network(replace(cfg, copy_gate=True), target.ours, seed=0, std=0.3)
+    with torch.no_grad():
+        gated.copy_gate.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(1))
+        gated.copy_gate.proj.bias.fill_(1.5)
+    gate_folder = tmp_path_factory.mktemp("mtp16-gate")
+    save_network(gated, gate_folder)
+    gate = load_mtp_drafter(gate_folder, target.ours, torch.float32, "cpu")
     return {"mtp": mtp, "argmax": ArgmaxDrafter(table), "ngram": NgramDrafter(), "mtp+ngram": MTPWithLookup(mtp, min_match=1),
-            "mtp-early-stop": early, "mtp-early-stop+ngram": MTPWithLookup(early, min_match=1)}
+            "mtp-early-stop": early, "mtp-early-stop+ngram": MTPWithLookup(early, min_match=1), "mtp-gate": gate}
 
 
 # ------------------------------------------------------------------ the tests
@@ -215,6 +225,8 @@ CASES = {
     # Rows stop drafting after a draft Q gave < EARLY_STOP: 1, 2 or 3 drafts per row and round.
     "mtp-early-stop-K3": ("mtp-early-stop", 3, T1, 70),
     "mtp-early-stop+ngram-mixed-K3": ("mtp-early-stop+ngram", 3, T1, 80),
+    # The copy gate's bonus is part of Q, copies from outside the kept clusters included.
+    "mtp-copy-gate-K3": ("mtp-gate", 3, T1, 90),
 }
 
 

@@ -195,6 +195,8 @@ def test_resume_refuses_flags_that_contradict_the_checkpoint(capsys, smollm2_lik
     (ckpt / "state.json").write_text("{}")
     line = one_line(*run_train(capsys, smollm2_like, tmp_path, "--resume", "--heads", "3"))
     assert "--heads 3 differs from the checkpoint" in line and "(--heads 6)" in line, line
+    line = one_line(*run_train(capsys, smollm2_like, tmp_path, "--resume", "--copy-gate"))
+    assert "--copy-gate: the checkpoint in" in line and "has no copy gate" in line, line
     assert no_generation == []
     code, err = run_train(capsys, smollm2_like, tmp_path, "--resume")
     assert code == 2 and err.strip().endswith("data generation reached") and "(from the checkpoint)" in err, err

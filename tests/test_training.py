@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -367,8 +368,12 @@ def test_train_cli_with_a_corpus_and_init_from(tiny_target, tmp_path):
     assert recipe["corpus_sequences"] >= 10 and recipe["target_tokens"] > 10 * 40
     assert any(s.corpus for s in load_sequences(sorted((first / "data" / "corpus").glob("shard-*.safetensors"))))
     second = tmp_path / "second"
-    assert main(["train-drafter", *common, "--out", str(second), "--init-from", str(first), "--skip-prompts", "10"]) == 0
+    assert main(["train-drafter", *common, "--out", str(second), "--init-from", str(first), "--skip-prompts", "10",
+                 "--copy-gate"]) == 0
     recipe = json.loads((second / "training.json").read_text())
+    # --copy-gate added a gate to the continued drafter; the exported folder is a gated drafter.
+    gated = load_mtp_drafter(second, tiny_target.model, torch.float32, "cpu")
+    assert gated.net.config.copy_gate and gated.net.copy_gate is not None
     assert recipe["init_from"] == str(first) and recipe["history"][0]["step"] == 0
     assert recipe["corpus_sequences"] == 0
     assert json.loads((second / "data" / "train" / "data.json").read_text())["first_prompt"] == 10
@@ -453,3 +458,24 @@ def test_train_cli_adds_synthetic_prompts(tiny_target, tmp_path, monkeypatch):
     assert len(written) == 6
     plain = load_prompt_set([prompts], [], held_out_fraction=0.05).train
     assert json.loads((out / "training.json").read_text())["train_sequences"] == len(plain) + 6
+
+
+def test_a_copy_gate_added_to_a_trained_drafter_starts_closed_and_learns_to_copy(tiny_target, tiny_data, tmp_path):
+    first = make_trainer(tiny_target, tmp_path / "a", tiny_data, small_config(steps=20))
+    first.train()
+    save_network(first.net, tmp_path / "trained")
+    results = {}
+    for gate in (False, True):
+        cfg = replace(first.net.config, copy_gate=gate)
+        more = Trainer(tiny_target, tmp_path / f"more-{gate}", small_config(steps=60), cfg, *tiny_data,
+                       log=lambda m: None, init_from=tmp_path / "trained")
+        if gate:  # closed at the start: the continued drafter's own numbers
+            assert more.net.copy_gate is not None and not more.net.copy_gate.proj.weight.any()
+            assert more.evaluate()["tau"] == first.evaluate()["tau"]
+        more.train()
+        results[gate] = more.evaluate()["tau"]
+    # The tiny target's greedy answers repeat (where a token pair recurs, what followed it is the
+    # next token 75% of the time): the gate learns to add to the copies, and the gated drafter,
+    # trained as long, drafts better.
+    assert (more.net.copy_gate.proj.bias > 0.1).all(), more.net.copy_gate.proj.bias
+    assert results[True] > results[False], results

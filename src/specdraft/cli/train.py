@@ -37,6 +37,10 @@ def _add_shape_args(p) -> None:
                         "128 and at least 4096; 0 = dense head)")
     p.add_argument("--top-k-clusters", type=int, default=None,
                    help="clusters kept per draft step (default 32, at most an eighth of --clusters)")
+    p.add_argument("--copy-gate", action="store_true",
+                   help="give the drafter a learned copy gate: a bonus on the tokens that followed the current "
+                        "token (and the last two tokens) earlier in the text, so it drafts a model's repeats "
+                        "itself; with --init-from the gate is added closed (the drafter starts unchanged)")
 
 
 def _register_train(sub) -> None:
@@ -194,9 +198,11 @@ def _drafter_config(rt, args, recommended_k: int | None):
     if clusters and top_k > clusters:
         raise SpecdraftError(f"--top-k-clusters {top_k} exceeds --clusters {clusters} "
                              f"(try {default_top_k_clusters(clusters)})")
-    return drafter_config_for(rt.model, hidden=hidden, layers=layers, heads=heads, intermediate=args.intermediate,
-                              layer_types=layer_types, head=args.head or "target", clustered=bool(clusters),
-                              num_centroids=clusters or None, top_k_clusters=top_k, recommended_k=recommended_k)
+    cfg = drafter_config_for(rt.model, hidden=hidden, layers=layers, heads=heads, intermediate=args.intermediate,
+                             layer_types=layer_types, head=args.head or "target", clustered=bool(clusters),
+                             num_centroids=clusters or None, top_k_clusters=top_k, recommended_k=recommended_k)
+    cfg.copy_gate = args.copy_gate
+    return cfg
 
 
 def run_init(args) -> int:
@@ -282,6 +288,9 @@ def _resumed_config(rt, args, folder: Path | None = None, what: str = "the check
     saved = {"hidden": cfg.hidden_size, "layers": cfg.num_layers, "heads": cfg.num_heads,
              "intermediate": cfg.intermediate_size, "head": cfg.head,
              "clusters": cfg.num_centroids if cfg.clustered else 0, "top_k_clusters": cfg.top_k_clusters}
+    if folder is None and getattr(args, "copy_gate", False) and not cfg.copy_gate:
+        raise SpecdraftError(f"--copy-gate: the checkpoint in {ckpt} has no copy gate; drop it to resume, "
+                             "or choose another --out")
     for name, value in saved.items():
         given = getattr(args, name)
         if given is not None and given != value and not (name == "top_k_clusters" and not cfg.clustered):
@@ -334,6 +343,7 @@ def run_train(args) -> int:
         drafter_cfg = _resumed_config(rt, args)
     elif init_from is not None:
         drafter_cfg = _resumed_config(rt, args, init_from, "the drafter given to --init-from")
+        drafter_cfg.copy_gate |= args.copy_gate
     else:
         drafter_cfg = _drafter_config(rt, args, args.draft_tokens)
     prompts = load_prompt_set(args.prompts, args.exclude_eval, held_out_fraction=0.05)

@@ -32,6 +32,12 @@ class LookupIndex:
         """For rows whose sequences are tokens[:, :seq_len]: where the tokens after the latest
         earlier occurrence of the longest suffix n-gram (max_ngram down to min_ngram) begin,
         or -1. An occurrence counts only if at least one known token follows it."""
+        starts = [self._find(row) for row in self.sync(tokens, seq_len)]
+        return torch.tensor(starts, dtype=torch.long, device=tokens.device)
+
+    def sync(self, tokens: torch.Tensor, seq_len: torch.Tensor) -> list[_Row]:
+        """Index rows whose sequences are tokens[:, :seq_len] (one host transfer of the tokens
+        new since the last call); their rows, in order."""
         lengths = seq_len.tolist()
         if len(self.rows) < len(lengths):
             self.reset(len(lengths))
@@ -41,12 +47,29 @@ class LookupIndex:
         rows = self.rows[: len(lengths)]  # a step-wise engine's round covers the first n rows
         lo = min(len(row.tokens) for row in rows)
         new = tokens[:, lo : max(lengths)].tolist()  # one transfer for every row's new tokens
-        starts = []
         for row, n, fresh in zip(rows, lengths, new):
             row.tokens.extend(fresh[len(row.tokens) - lo : n - lo])
             self._add(row)
-            starts.append(self._find(row))
-        return torch.tensor(starts, dtype=torch.long, device=tokens.device)
+        return rows
+
+    @staticmethod
+    def follower(row: _Row, extra: list[int], n: int) -> int:
+        """The token that followed the latest earlier occurrence of the last n tokens of the text
+        row.tokens + extra (tokens not indexed, e.g. a round's drafts), or -1. n must be one of
+        the index's n-gram lengths."""
+        toks, size = row.tokens, len(row.tokens) + len(extra)
+        if size < n + 1:
+            return -1
+
+        def at(i: int) -> int:
+            return toks[i] if i < len(toks) else extra[i - len(toks)]
+
+        key = tuple(at(i) for i in range(size - n, size))
+        for s in range(size - n - 1, row.next_start[n] - 1, -1):  # the starts the index lacks, latest first
+            if all(at(s + j) == key[j] for j in range(n)):
+                return at(s + n)
+        s = row.latest[n].get(key)
+        return -1 if s is None else at(s + n)
 
     def reset_row(self, i: int) -> None:
         self.rows[i] = _Row(self.ngrams)

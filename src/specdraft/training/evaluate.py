@@ -123,7 +123,8 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
             pos = pos.clamp(max=batch.tokens.shape[1] - 1)
             z, state = drafter.net.step(target.embed(batch.tokens.gather(1, pos)), state, contexts)
             b, a = pos.shape
-            logits, cands = drafter.logits(z.reshape(b * a, -1), state.reshape(b * a, -1))
+            copies = batch.copies.gather(1, pos[:, :, None].expand(-1, -1, batch.copies.shape[2]))
+            logits, cands = drafter.logits(z.reshape(b * a, -1), state.reshape(b * a, -1), copies.reshape(b * a, -1))
             pick = logits.argmax(-1)
             pick = (pick if cands is None else cands.gather(1, pick[:, None]).squeeze(1)).view(b, a)
             want = batch.topk_ids[:, :, 0].gather(1, pos)
@@ -207,12 +208,12 @@ class RecordingDrafter(MTPDrafter):
         self.rounds: list[dict] = []
         self._steps: list[torch.Tensor] = []
 
-    def logits(self, z: torch.Tensor, state: torch.Tensor):
+    def logits(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None = None):
         head = self.net.masked_embedding
         if head is not None:
             n = min(max(self.record_clusters, head.top_k), head.num_centroids)
             self._steps.append(torch.topk(head.centroids(z).float(), n, dim=-1).indices.cpu())
-        return super().logits(z, state)
+        return super().logits(z, state, copies)
 
     def propose(self, inp, k, sampling, generator):
         self._steps = []

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdraft.drafters.mtp.copy import KINDS, sequence_copies
 from specdraft.drafters.mtp.drafter import layer_contexts
 from specdraft.drafters.mtp.network import MTPNetwork
 from specdraft.models.target import AttentionLayout
@@ -42,6 +43,7 @@ class Batch:
     anchors: torch.Tensor  # [B, A] positions t
     anchor_valid: torch.Tensor  # [B, A]
     corpus: torch.Tensor  # [B] bool: prefill-distilled text, whose tokens are not the target's
+    copies: torch.Tensor  # [B, L, 2]: each position's copy candidates (drafters/mtp/copy.py)
 
 
 def pick_anchors(s: Sequence, count: int, rng: random.Random, where: str = "uniform") -> list[int]:
@@ -74,9 +76,11 @@ def collate(seqs: list[Sequence], anchors_per_seq: int, kv_heads: dict[int, int]
     values = {s: torch.zeros(b, length, t.shape[1], dtype=dtype) for s, t in seqs[0].values.items()}
     anchors = torch.zeros(b, anchors_per_seq, dtype=torch.long)
     valid = torch.zeros(b, anchors_per_seq, dtype=torch.bool)
+    copies = torch.full((b, length, KINDS), -1, dtype=torch.long)
     for i, s in enumerate(seqs):
         n = len(s.tokens)
         tokens[i, :n], hidden[i, :n] = s.tokens, s.hidden
+        copies[i, :n] = sequence_copies(s.tokens.tolist())
         k_ids[i, :n], k_logp[i, :n] = s.topk_ids, s.topk_logp
         for slot in keys:
             keys[slot][i, :n], values[slot][i, :n] = s.keys[slot], s.values[slot]
@@ -89,7 +93,7 @@ def collate(seqs: list[Sequence], anchors_per_seq: int, kv_heads: dict[int, int]
 
     return Batch(tokens, torch.tensor([len(s.tokens) for s in seqs]), hidden,
                  {s: heads(t, s) for s, t in keys.items()}, {s: heads(t, s) for s, t in values.items()},
-                 k_ids, k_logp, anchors, valid, torch.tensor([s.corpus for s in seqs], dtype=torch.bool))
+                 k_ids, k_logp, anchors, valid, torch.tensor([s.corpus for s in seqs], dtype=torch.bool), copies)
 
 
 def to_device(batch, device: torch.device):
@@ -135,6 +139,16 @@ class UnrolledLoss(nn.Module):
                              self.loss_kind, self.step_decay, self.cluster_weight)
 
 
+def add_copy_bonus(logits: torch.Tensor, bonus: torch.Tensor, copies: torch.Tensor, pos: torch.Tensor,
+                   space: HeadSpace) -> torch.Tensor:
+    """Shortlist logits [B, A, S] with the copy gate's bonus [B, A, 2] added at the copy candidates
+    of the input tokens at `pos` [B, A] (those in the shortlist), as the drafter adds them."""
+    cp = copies.gather(1, pos[:, :, None].expand(-1, -1, copies.shape[2]))
+    idx = space.index[cp.clamp(min=0)]
+    ok = (cp >= 0) & (idx >= 0)
+    return logits.scatter_add(2, idx.clamp(min=0), torch.where(ok, bonus, 0.0).to(logits.dtype))
+
+
 def unrolled_loss(net: MTPNetwork, target: torch.nn.Module, sources: list[AttentionLayout], batch: Batch, k_steps: int,
                   space: HeadSpace, loss_kind: str = "ce", step_decay: float = 0.8, cluster_weight: float = 0.2
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -159,6 +173,8 @@ def unrolled_loss(net: MTPNetwork, target: torch.nn.Module, sources: list[Attent
             embeds = target.embed(batch.tokens.gather(1, pos)).to(dtype)
         z, state = net.step(embeds, state, contexts)
         logits = F.linear(z if own else state, table.to(state.dtype)).float()  # [B, A, S]
+        if net.copy_gate is not None:
+            logits = add_copy_bonus(logits, net.copy_gate(z), batch.copies, pos, space)
         top_ids = batch.topk_ids.gather(1, pos[:, :, None].expand(-1, -1, batch.topk_ids.shape[2]))
         top_logp = batch.topk_logp.gather(1, pos[:, :, None].expand(-1, -1, batch.topk_logp.shape[2]))
         greedy_label = top_ids[:, :, 0]

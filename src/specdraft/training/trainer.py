@@ -27,6 +27,7 @@ from specdraft.drafters.mtp import MTPNetwork, init_network, save_network
 from specdraft.drafters.mtp.checkpoint import kv_sources, load_network, read_drafter_config
 from specdraft.drafters.mtp.config import MTPConfig
 from specdraft.drafters.mtp.drafter import MTPDrafter
+from specdraft.errors import SpecdraftError
 from specdraft.training.clustering import balanced_clusters, cluster_of
 from specdraft.training.data import Sequence
 from specdraft.training.evaluate import teacher_forced_acceptance
@@ -55,6 +56,12 @@ class TrainConfig:
     # sequence equally likely). Corpus text is cheap but not the target's own writing.
     corpus_fraction: float | None = None
     anchors_where: str = "uniform"  # or "uncertain" (objective.pick_anchors)
+
+
+# The copy gate's learning rate over the drafter's: Adam moves a parameter by about the learning
+# rate per step, and the gate's bonuses are logits of a few units that a continued drafter (lr
+# 3e-4, a few hundred steps) would otherwise move by a tenth at most.
+GATE_LR_SCALE = 30.0
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -113,10 +120,13 @@ class Trainer:
         self.init_from = init_from
         self.net = self._build(drafter_cfg, resume, shortlist).to(self.device)
         self.space = self._head_space(shortlist)
-        decay = [p for n, p in self.net.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in self.net.named_parameters() if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+        body = [(n, p) for n, p in self.net.named_parameters() if not n.startswith("copy_gate.")]
+        gate = [p for n, p in self.net.named_parameters() if n.startswith("copy_gate.")]
+        groups = [{"params": [p for _, p in body if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                  {"params": [p for _, p in body if p.dim() < 2], "weight_decay": 0.0}]
+        if gate:  # a few bonus logits, learnt at a larger rate (see GATE_LR_SCALE)
+            groups.append({"params": gate, "weight_decay": 0.0, "lr_scale": GATE_LR_SCALE})
+        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
         self.history: list[dict] = []
         if resume:
@@ -143,7 +153,11 @@ class Trainer:
         elif self.init_from is not None:
             # Continue a trained drafter (its clusters included) on new data.
             trained, _ = load_network(self.init_from, self.target, torch.float32, "cpu")
-            net.load_state_dict(trained.state_dict())
+            missing, unexpected = net.load_state_dict(trained.state_dict(), strict=False)
+            # Only a copy gate may be new (it starts closed: the continued drafter's own outputs).
+            if unexpected or any(not k.startswith("copy_gate.") for k in missing):
+                raise SpecdraftError(f"{self.init_from}: weights do not fit this drafter "
+                                     f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
         elif net.masked_embedding is not None:
             table = self.target.head_weight.detach().cpu().float()
             net.masked_embedding.token_ordering.copy_(balanced_clusters(table, cfg.num_centroids, hot=shortlist,
@@ -223,7 +237,7 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.step, desc="training drafter", unit="step", disable=self.rank != 0)
         while self.step < cfg.steps:
             for g in self.opt.param_groups:
-                g["lr"] = lr_at(self.step, cfg)
+                g["lr"] = lr_at(self.step, cfg) * g.get("lr_scale", 1.0)
             batch = self.batch_for(self.step)
             with autocast_for(self.device):
                 loss, metrics = self.loss_fn(batch)

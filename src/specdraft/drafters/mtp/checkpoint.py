@@ -192,8 +192,8 @@ def init_network(cfg: MTPConfig, target: torch.nn.Module, seed: int = 0, std: fl
     gen = torch.Generator().manual_seed(seed)
     net = MTPNetwork(cfg)
     for name, p in net.named_parameters():
-        if name.endswith("norm.weight"):
-            continue  # ones
+        if name.endswith("norm.weight") or name.startswith("copy_gate."):
+            continue  # ones; the copy gate starts closed (zeros)
         with torch.no_grad():
             p.copy_(torch.randn(p.shape, generator=gen) * std)
     if net.masked_embedding is not None:

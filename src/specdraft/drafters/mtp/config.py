@@ -9,6 +9,7 @@ specdraft's own additions live under the "specdraft" key, which other readers ig
   min_confidence: a row stops drafting after a draft the drafter gave less probability (0: never)
   copy_below: greedy drafting copies the text instead of a draft the drafter gave less
         probability, where the current token occurred before (0: never; drafter.py)
+  copy_gate: the network has a learned copy gate (copy.py; tensors copy_gate.proj.*)
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class MTPConfig:
     recommended_k: int | None = None
     min_confidence: float = 0.0
     copy_below: float = 0.0
+    copy_gate: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # anything else under "specdraft"
 
     @property
@@ -84,8 +86,9 @@ class MTPConfig:
                 recommended_k=ours.get("recommended_k"),
                 min_confidence=float(ours.get("min_confidence", 0.0)),
                 copy_below=float(ours.get("copy_below", 0.0)),
+                copy_gate=bool(ours.get("copy_gate", False)),
                 extra={k: v for k, v in ours.items()
-                       if k not in ("head", "q_norm", "recommended_k", "min_confidence", "copy_below")},
+                       if k not in ("head", "q_norm", "recommended_k", "min_confidence", "copy_below", "copy_gate")},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SpecdraftError(f"drafter config.json is missing or has a bad field: {e}") from None
@@ -137,5 +140,6 @@ class MTPConfig:
             },
             "specdraft": {"head": self.head, "q_norm": self.q_norm, "recommended_k": self.recommended_k,
                           **({"min_confidence": self.min_confidence} if self.min_confidence else {}),
-                          **({"copy_below": self.copy_below} if self.copy_below else {}), **self.extra},
+                          **({"copy_below": self.copy_below} if self.copy_below else {}),
+                          **({"copy_gate": True} if self.copy_gate else {}), **self.extra},
         }

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import Draft, Drafter, DraftInput, SparseProbs
+from specdraft.drafters.mtp.copy import RoundCopies, add_copies, host_copy_columns
 from specdraft.drafters.mtp.head import score
 from specdraft.drafters.mtp.network import LayerContext, MTPNetwork
 from specdraft.kv_cache import attention_span
@@ -18,6 +19,10 @@ from specdraft.models.target import AttentionLayout
 from specdraft.sampling import SamplingParams, probabilities, sample
 
 GREEDY_CONFIDENCE = SamplingParams(temperature=1.0)  # greedy drafts' confidence: the drafter's softmax
+# Up to this many rows the copy gate places its copies among the candidates on the host (a few
+# us a row) rather than by comparing with every candidate (~100 us a step); evaluation's
+# thousands of anchors take the tensor path.
+HOST_COLUMNS_ROWS = 64
 
 
 def layer_contexts(sources: list[AttentionLayout], keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -98,6 +103,8 @@ class MTPDrafter(Drafter):
         self.recommended_k = net.config.recommended_k
         self.min_confidence = net.config.min_confidence if min_confidence is None else min_confidence
         self.copy_below = net.config.copy_below if copy_below is None else copy_below
+        self.round_copies = RoundCopies() if net.copy_gate is not None else None  # the gate's inputs
+        self._token_slots = None  # the clustered head's token slots, on the host (host_copy_columns)
 
     def nbytes(self) -> int:
         return self.net.nbytes()
@@ -107,13 +114,39 @@ class MTPDrafter(Drafter):
             return self.net.model.embed_tokens.weight, z
         return self.target.head_weight, state
 
-    def logits(self, z: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """z [N, h], next state [N, H] -> (logits [N, M], candidate ids [N, M] or None for all V)."""
+    def logits(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """z [N, h], next state [N, H] -> (logits [N, M], candidate ids [N, M] or None for all V).
+        `copies` [N, 2]: the current tokens' copy candidates (copy.py), for a drafter with a copy gate."""
         table, vec = self.head_table_and_input(z, state)
-        cands = self.net.masked_embedding.candidates(z) if self.net.masked_embedding is not None else None
+        head, gated = self.net.masked_embedding, copies is not None and self.net.copy_gate is not None
+        top = head.top_clusters(z) if head is not None else None
+        cands = head.candidates(z, top) if head is not None else None
         if cands is None and self.net.config.head != "own":
-            return self.target.head_scores(vec).float(), None  # every token: the target's own (packed) head
-        return score(vec, table, cands), cands
+            logits = self.target.head_scores(vec).float()  # every token: the target's own (packed) head
+        else:
+            logits = score(vec, table, cands)
+        if gated:
+            columns = None
+            if head is not None and len(copies) <= HOST_COLUMNS_ROWS:  # a few rows: find the columns on the host
+                if self._token_slots is None:
+                    self._token_slots = head.token_slots()
+                cols, live = host_copy_columns(copies.tolist(), top.tolist(), self._token_slots, head.cluster_size)
+                columns = (torch.tensor(cols, device=z.device), torch.tensor(live, device=z.device))
+            logits, cands = add_copies(logits, cands, copies, self.net.copy_gate(z), vec, table, columns)
+        return logits, cands
+
+    def prepare(self, batch_size: int, capacity: int) -> None:
+        if self.round_copies is not None:
+            self.round_copies.index.reset(batch_size)
+
+    def reset_row(self, row: int) -> None:
+        if self.round_copies is not None:
+            self.round_copies.index.reset_row(row)
+
+    def move_row(self, src: int, dst: int) -> None:
+        if self.round_copies is not None:
+            self.round_copies.index.move_row(src, dst)
 
     @torch.inference_mode()
     def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
@@ -126,9 +159,13 @@ class MTPDrafter(Drafter):
         drafting = inp.active.clone()  # rows still drafting
         num_valid = torch.zeros(b, dtype=torch.long, device=inp.last_token.device)
         copy = sampling.greedy and self.copy_below > 0  # sampling needs Q: drafts stay the drafter's
+        gated = self.round_copies is not None
+        if gated:  # each row's text so far ends in its current token, at position + 1
+            self.round_copies.start(inp.tokens, inp.position + 2)
         for _ in range(k):
             z, state = self.net.step(self.target.embed(token[:, None]), state, contexts)
-            logits, cands = self.logits(z[:, 0], state[:, 0])
+            copies = self.round_copies.copies(token.device) if gated else None
+            logits, cands = self.logits(z[:, 0], state[:, 0], copies)
             q = None
             if not sampling.greedy or self.min_confidence > 0 or copy:
                 q = probabilities(logits, GREEDY_CONFIDENCE if sampling.greedy else sampling)
@@ -142,6 +179,8 @@ class MTPDrafter(Drafter):
                 # The exact Q the token was drawn from: over the kept clusters' tokens only (0 elsewhere).
                 probs.append(q if cands is None else (cands, q))
             tokens.append(token)
+            if gated:  # the draft is the next step's current token
+                self.round_copies.extend(token)
             num_valid += drafting
             if self.min_confidence > 0:
                 drafting &= q.gather(1, pick[:, None]).squeeze(1) >= self.min_confidence

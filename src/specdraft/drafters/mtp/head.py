@@ -31,11 +31,23 @@ class ClusteredHead(nn.Module):
         """[C, V/C]: the token ids of each cluster."""
         return self.token_ordering.view(self.num_centroids, self.cluster_size)
 
-    def candidates(self, z: torch.Tensor) -> torch.Tensor:
-        """z [N, h] -> token ids of the top-k clusters [N, top_k * V/C]."""
-        top = torch.topk(self.centroids(z), self.top_k, dim=-1).indices
+    def top_clusters(self, z: torch.Tensor) -> torch.Tensor:
+        """z [N, h] -> the top-k clusters [N, top_k], best first."""
+        return torch.topk(self.centroids(z), self.top_k, dim=-1).indices
+
+    def candidates(self, z: torch.Tensor, top: torch.Tensor | None = None) -> torch.Tensor:
+        """z [N, h] -> token ids of the top-k clusters [N, top_k * V/C] (`top`: those clusters, if known)."""
+        top = self.top_clusters(z) if top is None else top
         # F.embedding (index_select) rather than advanced indexing: ~20x faster gathers on CPU.
         return F.embedding(top, self.clusters()).flatten(1)
+
+    def token_slots(self) -> tuple[list[int], list[int]]:
+        """Host lists over token ids: each token's cluster and its place in the cluster (a token's
+        column among the candidates is rank of its cluster * V/C + place)."""
+        order = self.token_ordering.cpu()
+        where = torch.empty_like(order)
+        where[order] = torch.arange(len(order))
+        return (where // self.cluster_size).tolist(), (where % self.cluster_size).tolist()
 
 
 def score(vectors: torch.Tensor, table: torch.Tensor, candidates: torch.Tensor | None, chunk: int = 32) -> torch.Tensor:

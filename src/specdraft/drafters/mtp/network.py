@@ -5,7 +5,8 @@
     z     = norm(x)
     state = post_projection(z)                                             Linear(h -> H)
     logits from z against the drafter's own table (head "own"), or from the new state
-    against the target's table (head "target").
+    against the target's table (head "target"); with a copy gate (copy.py), plus a learned
+    bonus on the tokens that followed the current token earlier in the text.
 
 Each block reads keys/values the target already computed (the last target layer of the block's
 attention type); it has no K/V projections and no cache. Queries use one constant position per
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from specdraft.drafters.mtp.config import MTPConfig
+from specdraft.drafters.mtp.copy import CopyGate
 from specdraft.drafters.mtp.head import ClusteredHead
 from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models.kernels import build as kernels
@@ -147,6 +149,7 @@ class MTPNetwork(nn.Module):
             ClusteredHead(cfg.hidden_size, cfg.vocab_size, cfg.num_centroids, cfg.top_k_clusters)
             if cfg.clustered else None
         )
+        self.copy_gate = CopyGate(cfg.hidden_size) if cfg.copy_gate else None
 
     def step(self, token_embeds: torch.Tensor, state: torch.Tensor, contexts: list[LayerContext]
              ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,8 +88,8 @@ def test_drafter_matches_transformers_assistant(target, clustered, tmp_path_fact
     seen = []
     head = drafter.logits
 
-    def recording_head(z, state):
-        logits, cands = head(z, state)
+    def recording_head(z, state, copies=None):
+        logits, cands = head(z, state, copies)
         seen.append((state.clone(), logits, cands))
         return logits, cands
 

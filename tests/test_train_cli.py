@@ -81,15 +81,15 @@ def test_defaults_for_a_gemma3_target_are_unchanged(gemma3_like, tmp_path):
 
 @pytest.mark.slow
 def test_shipped_recipe_reproduces_the_shipped_drafter_shape(tmp_path):
-    """The real gemma3-270m: the defaults give the shipped drafter's config.json exactly."""
+    """The real gemma3-270m: the defaults (and the copy gate) give the shipped drafter's config.json exactly."""
     if not is_converted(preset_dir("gemma3-270m")):
         pytest.skip("gemma3-270m is not converted in the cache")
-    _, cfg = derived("gemma3-270m", tmp_path)
+    _, cfg = derived("gemma3-270m", tmp_path, "--copy-gate")
     shipped = json.loads((shipped_drafter_path("gemma3-270m") / "config.json").read_text())
     mine = json.loads(json.dumps(cfg.to_dict()))
-    # Tuned after training, not derived: the K, the early-stop confidence and the copy fallback.
+    # Tuned after training, not derived: the K and the early-stop confidence.
     shipped["specdraft"].pop("recommended_k"), mine["specdraft"].pop("recommended_k")
-    shipped["specdraft"].pop("min_confidence"), shipped["specdraft"].pop("copy_below")
+    shipped["specdraft"].pop("min_confidence")
     assert mine == shipped
 
 

@@ -65,8 +65,9 @@ def sequence_copies(tokens: list[int]) -> torch.Tensor:
 class RoundCopies:
     """The copy candidates of each row's current token during a drafting round, looked up on the
     host: a LookupIndex of each row's emitted text (updated with the tokens new since the last
-    round, as prompt lookup's is) plus the round's drafts so far. About 20 us a row and step,
-    against ~0.4 ms for the same scan as tensor ops over the whole text."""
+    round, as prompt lookup's is) plus the round's drafts so far: ~8 us a step for one row,
+    where the same scan as tensor ops over the whole text cost a sizeable part of the gate's
+    first 0.2-0.4 ms a step (BENCHMARKS.md, nineteenth session)."""
 
     def __init__(self):
         self.index = LookupIndex(1, KINDS)
@@ -95,7 +96,7 @@ def copy_columns(cands: torch.Tensor, copies: torch.Tensor) -> tuple[torch.Tenso
     that repeats an earlier copy goes to that copy's column; otherwise to its own new column,
     which is then live (scored). Columns of no copy (NONE) are not live and get no bonus."""
     m = cands.shape[1]
-    marks = torch.cat([cands, torch.where(copies >= 0, copies, NONE)], 1)  # NONE never matches a token
+    marks = torch.cat([cands, copies], 1)  # NONE never matches a token
     columns, live = [], []
     for c in range(copies.shape[1]):
         earlier = marks[:, : m + c] == copies[:, c : c + 1]

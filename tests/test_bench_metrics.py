@@ -96,3 +96,21 @@ def test_summarize_per_category_and_batch_size():
     assert two["plain"]["overall"]["identical_rate"] == 1.0  # checked against batch size 1
     sampled = metrics.summarize(rows, batches, greedy=False)
     assert sampled["batch_sizes"]["1"]["methods"]["ngram"]["overall"]["identical_rate"] is None
+
+
+def test_another_weight_format_is_compared_with_its_own_plain_output():
+    """METHOD:WEIGHTS: speedup against the run's plain decoding, identical output against
+    plain:WEIGHTS (the same weights' canonical greedy text), none when the run lacks it."""
+    from specdraft.bench import method_weights, split_method
+
+    assert split_method("auto:gguf-q8@runs/x") == ("auto", "runs/x") and method_weights("auto:gguf-q8@runs/x") == "gguf-q8"
+    assert split_method("mtp@runs/a:b") == ("mtp", "runs/a:b") and method_weights("mtp@runs/a:b") is None
+    rows = [row("plain", 0, 10, 1.0, tokens=[1] * 10),
+            row("plain:gguf-q8", 0, 10, 0.5, tokens=[2] * 10),
+            row("auto:gguf-q8", 0, 10, 0.25, tokens=[2] * 10),
+            row("mtp:int8", 0, 10, 0.5, tokens=[1] * 10)]
+    one = metrics.summarize(rows, [])["batch_sizes"]["1"]["methods"]
+    assert one["auto:gguf-q8"]["overall"]["speedup"] == pytest.approx(4.0)
+    assert one["auto:gguf-q8"]["overall"]["identical_rate"] == 1.0  # against plain:gguf-q8, not plain
+    assert one["plain:gguf-q8"]["overall"]["identical_rate"] == 1.0
+    assert one["mtp:int8"]["overall"]["identical_rate"] is None  # no plain:int8 in the run

@@ -277,7 +277,22 @@ def test_two_drafters_in_one_run(ctx, tmp_path, capsys):
     plain = build_method("plain", ctx).generate([[2, 5, 6, 7]], 6).rows[0].token_ids
     assert second.generate([[2, 5, 6, 7]], 6).rows[0].token_ids == plain
     for methods, needle in (("plain@x", "only auto, mtp, mtp+ngram take a drafter folder after @"),
-                            (f"mtp@{tmp_path / 'none'}", "is not a drafter folder (no config.json)")):
+                            (f"mtp@{tmp_path / 'none'}", "is not a drafter folder (no config.json)"),
+                            ("plain:int9", "METHOD:WEIGHTS takes one of specdraft's methods"),
+                            ("llama-cpp:int8", "METHOD:WEIGHTS takes one of specdraft's methods")):
         code = main(["bench", "--model", "unused", "--questions", "unused.jsonl", "--methods", methods])
         err = capsys.readouterr().err
         assert code == 2 and needle in err and "Traceback" not in err, err
+
+
+def test_another_weight_format_in_one_run(ctx):
+    """METHOD:WEIGHTS loads the model once more with that format (once for every method asking)
+    and runs the method on it; a format this model cannot take is skipped with the reason."""
+    other = "dtype" if ctx.rt.weights != "dtype" else "fp16"
+    fresh = BenchContext(ctx.rt, ctx.sampling)
+    plain, ngram = build_method(f"plain:{other}", fresh), build_method(f"ngram:{other}", fresh)
+    assert plain.engine.model is ngram.engine.model is not ctx.rt.model
+    assert fresh.runtime(other).weights == other and fresh.runtime(None) is ctx.rt
+    assert ngram.generate([[2, 5, 6, 7, 5, 6]], 6).rows[0].token_ids == plain.generate([[2, 5, 6, 7, 5, 6]], 6).rows[0].token_ids
+    with pytest.raises(Skip, match="--weights gguf"):
+        build_method("plain:gguf", fresh)  # a safetensors folder has no GGUF blocks

@@ -15,14 +15,21 @@ PEER_METHODS = ("hf", "hf-pld", "llama-cpp", "llama-cpp-pld")
 ALL_METHODS = SPECDRAFT_METHODS + PEER_METHODS
 DEFAULT_METHODS = ("plain", "mtp", "mtp+ngram", "ngram", "draft-model", "hf", "hf-pld", "llama-cpp", "llama-cpp-pld")
 # Methods that read an MTP drafter take another one as METHOD@FOLDER (e.g. mtp@runs/more), so two
-# drafters can be compared in one interleaved run.
+# drafters can be compared in one interleaved run; specdraft's methods take another weight format
+# as METHOD:WEIGHTS (e.g. plain,plain:gguf-q8), loaded beside the run's.
 DRAFTER_METHODS = ("auto", "mtp", "mtp+ngram")
 
 
 def split_method(name: str) -> tuple[str, str | None]:
-    """'mtp@runs/x' -> ('mtp', 'runs/x'); 'plain' -> ('plain', None)."""
-    base, sep, folder = name.partition("@")
-    return base, (folder if sep else None)
+    """'mtp@runs/x' -> ('mtp', 'runs/x'); 'auto:gguf-q8' -> ('auto', None); 'plain' -> ('plain', None)."""
+    head, sep, folder = name.partition("@")
+    return head.partition(":")[0], (folder if sep else None)
+
+
+def method_weights(name: str) -> str | None:
+    """'auto:gguf-q8@runs/x' -> 'gguf-q8': the weight format the method asks for; None: the run's."""
+    _, sep, weights = name.partition("@")[0].partition(":")
+    return weights if sep else None
 
 
 # The default llama.cpp build crashes on CPUs with AMX; this one does not (and still uses AVX-512).

@@ -49,6 +49,21 @@ class BenchContext:
     n_ctx: int = 2048  # llama.cpp context: longest prompt + max_new_tokens + slack
     shared: dict = field(default_factory=dict)  # weights loaded once and shared (hf and hf-pld)
 
+    def runtime(self, weights: str | None):
+        """The run's target, or the same model with another weight format (METHOD:WEIGHTS), loaded once."""
+        from specdraft.runtime import Runtime
+
+        if weights is None or weights == self.rt.weights:
+            return self.rt
+        key = ("runtime", weights)
+        if key not in self.shared:
+            try:
+                self.shared[key] = Runtime.load(self.rt.name, device=self.rt.device.type, weights=weights,
+                                                progress=False)
+            except SpecdraftError as e:
+                raise Skip(f"--weights {weights}: {e}") from None
+        return self.shared[key]
+
 
 class Method:
     """Base class. `generate` is the one required method."""
@@ -128,12 +143,12 @@ def measure_load(load):
 
 def build_specdraft(name: str, ctx: BenchContext) -> Method:
     """specdraft plain or with one of its drafters, or raise Skip."""
-    from specdraft.bench import split_method
+    from specdraft.bench import method_weights, split_method
     from specdraft.drafters import load_drafter, shipped_drafter_path
     from specdraft.loading.presets import PRESETS
     from specdraft.runtime import Runtime
 
-    rt = ctx.rt
+    rt = ctx.runtime(method_weights(name))
     base, folder = split_method(name)  # mtp@FOLDER: another drafter than the run's
     if base == "plain":
         return SpecdraftMethod(name, rt, None, 0, ctx.sampling)

@@ -111,19 +111,28 @@ def summarize(rows: list[dict], batches: list[dict], reference: str = "plain", g
     """Everything the report shows, per batch size -> method -> overall and per category.
 
     Identical outputs are checked against the reference at batch size 1 when the run has it
-    (the canonical greedy output), else at the same batch size; None when sampling."""
+    (the canonical greedy output), else at the same batch size; a method with another weight
+    format (METHOD:WEIGHTS) against `reference:WEIGHTS` (the same weights' plain output), None
+    if the run lacks it; None when sampling."""
+    from specdraft.bench import method_weights
+
+    def canonical(method: str, bs: int) -> list[dict] | None:
+        weights = method_weights(method)
+        name = reference if weights is None else f"{reference}:{weights}"
+        bs1 = [r for r in rows if r["method"] == name and r["batch_size"] == 1]
+        return (bs1 or [r for r in rows if r["method"] == name and r["batch_size"] == bs] or None) if greedy else None
+
     out: dict = {"reference": reference, "batch_sizes": {}}
-    ref_bs1 = [r for r in rows if r["method"] == reference and r["batch_size"] == 1]
     for bs in sorted({r["batch_size"] for r in rows}):
         rows_bs = [r for r in rows if r["batch_size"] == bs]
         ref = [r for r in rows_bs if r["method"] == reference]
-        identical_to = (ref_bs1 or ref) if greedy else None
         ref_batches = [b for b in batches if b["method"] == reference and b["batch_size"] == bs]
         ref_throughput = throughput(ref_batches)
         methods = {}
         for m in _ordered(r["method"] for r in rows_bs):
             mine = [r for r in rows_bs if r["method"] == m]
             mine_batches = [b for b in batches if b["method"] == m and b["batch_size"] == bs]
+            identical_to = canonical(m, bs)
             entry = {"overall": cell(mine, ref, identical_to), "categories": {}}
             for c in _ordered(r["category"] for r in mine):
                 entry["categories"][c] = cell([r for r in mine if r["category"] == c],

@@ -65,7 +65,9 @@ prompt format: the model's chat template when it has one, else the plain templat
     p.add_argument("--methods", type=_name_list, default=list(DEFAULT_METHODS),
                    help=f"comma-separated, from {', '.join(ALL_METHODS)} (default: {','.join(DEFAULT_METHODS)}); "
                         "auto, mtp and mtp+ngram take another drafter as METHOD@FOLDER, e.g. mtp,mtp@runs/more "
-                        "compares two drafters in one run")
+                        "compares two drafters in one run; specdraft's methods take another weight format as "
+                        "METHOD:WEIGHTS, e.g. plain,auto,plain:gguf-q8,auto:gguf-q8 (its identical column then "
+                        "compares with plain:WEIGHTS)")
     p.add_argument("--drafter-path", default=None, help="MTP drafter folder for the mtp and mtp+ngram methods")
     p.add_argument("--draft-model", default=None, help="model name or path for the draft-model method")
     p.add_argument("--draft-tokens", type=int, default=None,
@@ -87,7 +89,8 @@ prompt format: the model's chat template when it has one, else the plain templat
 
 
 def run(args) -> int:
-    from specdraft.bench import ALL_METHODS, DRAFTER_METHODS, split_method
+    from specdraft.bench import ALL_METHODS, DRAFTER_METHODS, SPECDRAFT_METHODS, method_weights, split_method
+    from specdraft.device import WEIGHT_CHOICES
     from specdraft.bench.report import text_summary
     from specdraft.bench.runner import BenchConfig, run_bench
 
@@ -100,6 +103,10 @@ def run(args) -> int:
             raise SpecdraftError(f"method {m}: only {', '.join(DRAFTER_METHODS)} take a drafter folder after @")
         if folder is not None and not (Path(folder) / "config.json").is_file():
             raise SpecdraftError(f"method {m}: {folder} is not a drafter folder (no config.json)")
+        weights = method_weights(m)
+        if weights is not None and (base not in SPECDRAFT_METHODS or weights not in WEIGHT_CHOICES[1:]):
+            raise SpecdraftError(f"method {m}: METHOD:WEIGHTS takes one of specdraft's methods "
+                                 f"({', '.join(SPECDRAFT_METHODS)}) and a format from {', '.join(WEIGHT_CHOICES[1:])}")
     check_draft_tokens(args.draft_tokens)
     cfg = BenchConfig(
         questions=args.questions, model=args.model, categories=args.categories,

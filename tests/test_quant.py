@@ -72,6 +72,8 @@ def test_weights_choice_is_checked() -> None:
     assert resolve_weights("auto", cpu, torch.float32, dtype_chosen=True) == ("fp16" if fp16_kernel_available() else "dtype")
     # a model from a GGUF file whose blocks the C kernels read: its own blocks
     assert resolve_weights("auto", cpu, torch.float32, dtype_chosen=True, gguf_blocks=True) == "gguf"
+    assert resolve_weights("auto", cpu, torch.float32, dtype_chosen=True, gguf_blocks=True, int8_rows=True) == "gguf-q8"
+    assert resolve_weights("auto", cpu, torch.float32, gguf_blocks=True, int8_rows=True) == "dtype"
     assert resolve_weights("auto", cpu, torch.float32, gguf_blocks=True) == "dtype"  # float32 asked for
     assert resolve_weights("auto", cpu, BF16, dtype_chosen=True, gguf_blocks=True) == "int8"
     assert resolve_weights("dtype", cpu, torch.float32) == "dtype"
@@ -111,6 +113,7 @@ def test_auto_dtype_is_float32_where_the_weights_run_float32_kernels(monkeypatch
     assert resolve_dtype("auto", cpu, "fp16") == torch.float32
     assert resolve_dtype("bfloat16", cpu, "auto", gguf_blocks=True) == BF16  # asked for: kept
     assert resolve_weights("auto", cpu, resolve_dtype("auto", cpu, "auto", True), True, True) == "gguf"
+    assert resolve_weights("auto", cpu, resolve_dtype("auto", cpu, "auto", True), True, True, True) == "gguf-q8"
 
 
 def packed_tiny(tiny: TinyModel, fmt: str, dtype: torch.dtype = BF16):

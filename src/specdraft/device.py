@@ -40,7 +40,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-FLOAT32_WEIGHTS = ("fp16", "gguf")  # formats whose CPU kernels compute in float32
+FLOAT32_WEIGHTS = ("fp16", "gguf", "gguf-q8")  # formats whose CPU kernels take float32 rows
 
 
 def resolve_dtype(name: str, device: torch.device, weights: str = "auto", gguf_blocks: bool = False) -> torch.dtype:
@@ -63,7 +63,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-WEIGHT_CHOICES = ("auto", "dtype", "int8", "int4", "fp16", "gguf")
+WEIGHT_CHOICES = ("auto", "dtype", "int8", "int4", "fp16", "gguf", "gguf-q8")
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)  # what torch's packed CPU kernels take
 
 
@@ -73,17 +73,20 @@ def fp16_kernel_available() -> bool:
 
 
 def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_chosen: bool = False,
-                    gguf_blocks: bool = False) -> str:
-    """How weights are stored: `dtype` (as --dtype says), packed int8/int4, or fp16 (CPU only).
+                    gguf_blocks: bool = False, int8_rows: bool = False) -> str:
+    """How weights are stored: `dtype` (as --dtype says), packed int8/int4, fp16, or a GGUF
+    file's own blocks (CPU only).
 
     When --dtype auto chose float32 (`dtype_chosen`: any CPU for a model from a GGUF file whose
-    blocks the C kernels read, see resolve_dtype; else a CPU without bf16 units) auto = gguf for
-    such a model (`gguf_blocks`: the file's exact float32 weights in ~60% of fp16's bytes; a
-    plain step ~1.25x faster than fp16's, widths up to 4 too, BENCHMARKS.md), else fp16 (half of
-    float32's bytes at float32's arithmetic; torch's int8 kernels are compute-bound without bf16
-    units). auto = int8 on a CPU in bfloat16: it halves the bytes every step reads and its kernel
-    gives a row the same bits whatever the number of rows (BENCHMARKS.md, weight formats). A
-    float32 the user asked for stays unquantised: it is the exactness reference."""
+    blocks the C kernels read, see resolve_dtype; else a CPU without bf16 units) auto = the
+    file's blocks for such a model (`gguf_blocks`): gguf-q8 where `int8_rows` (a CPU with
+    AVX-512 VNNI: rows rounded to int8 per 32 inputs, as llama.cpp computes; plain steps ~1.06x
+    and verifications of 4 tokens ~1.4x faster than gguf's, per-token KL 0.002 against float32,
+    BENCHMARKS.md), else gguf (the file's exact float32 weights, float32 arithmetic); else fp16
+    (half of float32's bytes at float32's arithmetic; torch's int8 kernels are compute-bound
+    without bf16 units). auto = int8 on a CPU in bfloat16: it halves the bytes every step reads
+    and its kernel gives a row the same bits whatever the number of rows (BENCHMARKS.md, weight
+    formats). A float32 the user asked for stays unquantised: it is the exactness reference."""
     if name not in WEIGHT_CHOICES:
         raise SpecdraftError(f"unknown weights {name!r} (use {', '.join(WEIGHT_CHOICES)})")
     packable = device.type == "cpu" and dtype in PACKABLE_DTYPES
@@ -92,15 +95,15 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_c
             return "int8"
         if dtype_chosen and device.type == "cpu" and dtype == torch.float32:
             if gguf_blocks:
-                return "gguf"
+                return "gguf-q8" if int8_rows else "gguf"
             if fp16_kernel_available():
                 return "fp16"
         return "dtype"
     if name in ("int8", "int4") and not packable:
         raise SpecdraftError(f"--weights {name} runs on torch's packed CPU kernels; "
                              f"use --device cpu, or --weights dtype")
-    if name == "gguf" and (device.type != "cpu" or dtype != torch.float32):
-        raise SpecdraftError("--weights gguf runs a CPU kernel with float32 activations; "
+    if name in ("gguf", "gguf-q8") and (device.type != "cpu" or dtype != torch.float32):
+        raise SpecdraftError(f"--weights {name} runs a CPU kernel that takes float32 rows; "
                              "use --device cpu with --dtype float32 or auto")
     if name == "fp16" and (device.type != "cpu" or dtype != torch.float32 or not fp16_kernel_available()):
         raise SpecdraftError("--weights fp16 runs on FBGEMM's x86 CPU kernel with float32 activations; "

@@ -15,7 +15,7 @@ from specdraft.config import ModelConfig
 from specdraft.device import (dtype_name, release_free_memory, resolve_device, resolve_dtype, resolve_prefill_dtype,
                               resolve_weights)
 from specdraft.loading import load_folder, resolve_model
-from specdraft.models import int8_head
+from specdraft.models import int8_head, q8_act_linear
 from specdraft.models.block_linear import use_prompt_dtype
 from specdraft.models.compile import compile_steps
 from specdraft.models.quant import INT8_PACK_MULTIPLE, Int8Head, compact_weights
@@ -73,7 +73,7 @@ class Runtime:
     @classmethod
     def load(cls, name_or_path: str, dtype: str = "auto", device: str = "auto", progress: bool = True,
              weights: str = "auto", compile: bool = False, prefill_dtype: str = "auto") -> "Runtime":
-        """Load a target. weights: auto | dtype | int8 | int4 | fp16 | gguf (device.resolve_weights);
+        """Load a target. weights: auto | dtype | int8 | int4 | fp16 | gguf | gguf-q8 (device.resolve_weights);
         compile: route decode/verify forwards through a torch.compile'd step (models/compile.py);
         prefill_dtype: auto | float32 | bfloat16, prompts' arithmetic with gguf weights
         (device.resolve_prefill_dtype)."""
@@ -85,10 +85,13 @@ class Runtime:
         if weights == "auto":
             blocks = _has_blocks(name_or_path, folder)
             dt = resolve_dtype(dtype, dev, weights, gguf_blocks=blocks)
-            fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto", gguf_blocks=blocks)
+            # int8 rows (gguf-q8) where the CPU has the kernel, unless prompts in a float dtype are asked for
+            int8_rows = blocks and prefill_dtype == "auto" and q8_act_linear.kernel_available()
+            fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto", gguf_blocks=blocks,
+                                  int8_rows=int8_rows)
         prompts = resolve_prefill_dtype(prefill_dtype, fmt, dtype_chosen=dtype == "auto")
         model, cfg, notes = load_folder(folder, dt, dev)
-        notes += compact_weights(model, fmt, _source_blocks(name_or_path, folder) if fmt == "gguf" else None)
+        notes += compact_weights(model, fmt, _source_blocks(name_or_path, folder) if fmt.startswith("gguf") else None)
         if prompts is not None:
             use_prompt_dtype(model, prompts)
         if isinstance(getattr(model, "packed_head", None), Int8Head):

@@ -26,13 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.kv_cache import SHORT_FORWARD
-from specdraft.models import block_linear, int8_head
+from specdraft.models import block_linear, int8_head, q8_act_linear
 from specdraft.models.block_linear import Blocks
 from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16, register
 from specdraft.models.kernels import build as kernels
 from specdraft.models.kernels import fp16_gemv
 
-WEIGHT_FORMATS = ("dtype", "int8", "int4", "fp16", "gguf")  # dtype: weights stay in the model's dtype
+WEIGHT_FORMATS = ("dtype", "int8", "int4", "fp16", "gguf", "gguf-q8")  # dtype: weights stay in the model's dtype
 INT4_GROUP = 32
 # The packed kernels stream the weights once per 4 rows: right for decode and verify widths,
 # 2.5-3x slower than a bf16 GEMM for a prompt. Inputs of more tokens per row than a short forward
@@ -217,6 +217,20 @@ def compact_weights(model: nn.Module, fmt: str, blocks: dict[str, Blocks] | None
         raise ValueError(f"unknown weight format {fmt!r} (use {', '.join(WEIGHT_FORMATS)})")
     if fmt == "gguf":
         return _gguf_weights(model, blocks)
+    if fmt == "gguf-q8":
+        q8_act_linear.require_kernel()  # before anything changes
+        notes = [n.replace("--weights gguf", "--weights gguf-q8") for n in _gguf_weights(model, blocks)]
+        kept = q8_act_linear.use_q8_activations(model)
+        head = model.packed_head
+        if type(head) is block_linear.BlockLinear and q8_act_linear.Q8ActLinear.takes(blocks := head.blocks):
+            # the head too: its greedy argmax and sampled logits from int8 rows, like every layer
+            # (no exact screen: these logits are the format's own), and a wide verify costs
+            # about as little here as in the layers
+            model.packed_head = q8_act_linear.Q8ActLinear(blocks, head.bias)
+        if kept:
+            notes.append(f"--weights gguf-q8: {len(kept)} matrix(es) of shapes the int8 kernel does not take keep "
+                         f"float32 rows: {', '.join(kept[:4])}" + (" ..." if len(kept) > 4 else ""))
+        return notes
     dtype = model.dtype
     if model.head_weight.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"--weights {fmt} needs the CPU in bfloat16 or float32 (torch's packed kernels); "

@@ -105,16 +105,6 @@ TILE(2)
 TILE(3)
 TILE(4)
 
-/* Calls kind_1 .. kind_4 by the number of rows mb <= ROW_BLOCK: each tile has its row count fixed
- * at compile time, so its accumulators stay in registers. */
-#define BY_ROWS(mb, kind, ...)                   \
-    switch (mb) {                                \
-    case 1: kind##_1(__VA_ARGS__); break;        \
-    case 2: kind##_2(__VA_ARGS__); break;        \
-    case 3: kind##_3(__VA_ARGS__); break;        \
-    default: kind##_4(__VA_ARGS__); break;       \
-    }
-
 /* x [M, K] float32, codes [N, K] int8, scales/offsets [N, K/G] float32 (offsets may be NULL),
  * y [M, N] float32. G is 16 or 32, K a multiple of G. threads: OpenMP threads for this call
  * (torch's count, passed in: a thread that torch did not configure has OpenMP's default). */

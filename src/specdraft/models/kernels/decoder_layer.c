@@ -14,26 +14,37 @@
  */
 #include "kernels.h"
 
-enum { LINEAR_FP16 = 0, LINEAR_BLOCKS = 1, LINEAR_PACKED_BLOCKS = 2 };
+enum { LINEAR_FP16 = 0, LINEAR_BLOCKS = 1, LINEAR_PACKED_BLOCKS = 2, LINEAR_Q8_ACT = 3, LINEAR_Q8_ACT_NIBBLES = 4 };
 
-/* A projection's weights as one of the two kernels takes them. */
+/* A projection's weights as one of the kernels takes them. */
 typedef struct {
     int kind;
-    const void *weights; /* fp16_gemv tiles, block_gemv's int8 codes [N, K] or packed 4-bit codes [N, K/2] */
+    const void *weights; /* fp16_gemv tiles, block_gemv's int8 codes [N, K] or packed 4-bit codes [N, K/2],
+                            q8_act_gemv's interleaved codes */
     const float *scales, *offsets; /* blocks: per group of `group` inputs (offsets may be NULL) */
     int64_t group;
     const float *bias; /* NULL: none */
-    int64_t base; /* packed codes: the code of nibble 0 */
+    int64_t base; /* packed codes: the code of nibble 0; q8_act: the code of byte 0 */
 } Linear;
 
-/* y [M, N] = x [M, K] W^T + bias, as the layer's per-op path computes it (Fp16Linear, BlockLinear). */
-static void linear(const Linear *W, const float *x, float *y, int64_t M, int64_t N, int64_t K, int threads)
+/* y [M, N] = x [M, K] W^T + bias, as the layer's per-op path computes it (Fp16Linear, BlockLinear,
+ * Q8ActLinear). rows: scratch for the int8 rows of q8_act, Q8_SCRATCH(M, K) floats. */
+#define Q8_SCRATCH(M, K) ((M) * (K) / 4 + 3 * (M) * (K) / 16)
+static void linear(const Linear *W, const float *x, float *y, int64_t M, int64_t N, int64_t K, float *rows,
+                   int threads)
 {
     if (W->kind == LINEAR_FP16) {
         fp16_gemv(x, W->weights, W->bias, y, M, N, K, threads);
         return;
     }
-    if (W->kind == LINEAR_PACKED_BLOCKS)
+    if (W->kind == LINEAR_Q8_ACT || W->kind == LINEAR_Q8_ACT_NIBBLES) {
+        float *a = rows, *b = a + M * K / W->group;
+        int32_t *sums = (int32_t *)(b + M * K / W->group);
+        int8_t *q = (int8_t *)(sums + M * K / W->group);
+        q8_act_quantize(x, M, K, W->group, q, a, b, sums, threads);
+        q8_act_gemv(q, a, b, sums, W->weights, W->kind == LINEAR_Q8_ACT_NIBBLES, (int32_t)W->base, W->scales,
+                    W->offsets, y, M, N, K, W->group, threads);
+    } else if (W->kind == LINEAR_PACKED_BLOCKS)
         block_gemv_packed(x, W->weights, W->scales, W->offsets, W->base, y, M, N, K, threads);
     else
         block_gemv(x, W->weights, W->scales, W->offsets, y, M, N, K, W->group, threads);
@@ -67,8 +78,11 @@ typedef struct {
 /* Scratch floats decoder_layer needs for M = B*T rows over span_len keys. */
 int64_t decoder_layer_scratch(const LayerWeights *L, int64_t M, int64_t span_len) {
     const int64_t qd = L->heads * L->head_dim;
+    int64_t widest = L->hidden > qd ? L->hidden : qd;
+    widest = L->inter > widest ? L->inter : widest;
     return M * ((L->heads + 2 * L->qkv_kv_heads) * L->head_dim + 2 * qd + 5 * L->hidden + 3 * L->inter)
-           + attend_work(M, L->heads, 1, span_len, L->head_dim); /* its size: rows x heads x keys */
+           + attend_work(M, L->heads, 1, span_len, L->head_dim) /* its size: rows x heads x keys */
+           + Q8_SCRATCH(M, widest);
 }
 
 /* x [M, hidden] -> out [M, hidden] (may not alias x). */
@@ -79,9 +93,10 @@ void decoder_layer(const LayerWeights *L, const LayerStep *S, const float *x, fl
     float *h = scratch, *qkv = h + M * H, *q = qkv + M * width, *att = q + M * qd, *a = att + M * qd;
     float *x_mid = a + M * H, *h2 = x_mid + M * H, *gu = h2 + M * H, *mm = gu + 2 * M * L->inter;
     float *d = mm + M * L->inter, *work = d + M * H;
+    float *rows = work + attend_work(M, L->heads, 1, S->span_len, D); /* int8 rows (q8_act linears) */
 
     rms_norm_rows(x, L->norm_in, 0, h, M, H, L->eps, threads);
-    linear(&L->qkv, h, qkv, M, width, H, threads);
+    linear(&L->qkv, h, qkv, M, width, H, rows, threads);
     qk_rope_write(qkv, M, S->T, L->heads, L->qkv_kv_heads, D, L->q_norm, L->k_norm, L->qk_eps, S->cos, S->sin,
                   S->positions, q, S->k_cache, S->cache_sb, S->cache_sh, S->v_cache, S->cache_sb, S->cache_sh,
                   threads);
@@ -89,11 +104,11 @@ void decoder_layer(const LayerWeights *L, const LayerStep *S, const float *x, fl
     attend_rows(q, S->T * qd, D, qd, S->k_cache + S->span_lo * D, S->v_cache + S->span_lo * D, S->cache_sb,
                 S->cache_sh, S->cache_sb, S->cache_sh, S->mask, S->mask_sb, S->mask_st, att, S->B, L->heads,
                 L->kv_heads, S->T, S->span_len, D, L->scale, L->softcap, work, threads);
-    linear(&L->o, att, a, M, H, qd, threads);
+    linear(&L->o, att, a, M, H, qd, rows, threads);
     residual_norms(a, L->sandwich, L->norm_post_attn, x, L->norm_pre_mlp, x_mid, h2, M, H, L->eps, threads);
-    linear(&L->gate_up, h2, gu, M, 2 * L->inter, H, threads);
+    linear(&L->gate_up, h2, gu, M, 2 * L->inter, H, rows, threads);
     gated_act(gu, M, L->inter, L->act, mm, threads);
-    linear(&L->down, mm, d, M, H, L->inter, threads);
+    linear(&L->down, mm, d, M, H, L->inter, rows, threads);
     if (L->sandwich) {
         rms_norm_rows(d, L->norm_post_mlp, x_mid, out, M, H, L->eps, threads);
     } else {

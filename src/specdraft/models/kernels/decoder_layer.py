@@ -19,13 +19,17 @@ class Linear(ctypes.Structure):
                 ("base", _I64)]
 
 
-FP16_TILES, BLOCKS, PACKED_BLOCKS = 0, 1, 2
+FP16_TILES, BLOCKS, PACKED_BLOCKS, Q8_ACT, Q8_ACT_NIBBLES = 0, 1, 2, 3, 4
 
 
 def linear_weights(m) -> Linear:
-    """The Linear of an Fp16Linear holding tiles or of a BlockLinear (see `kernel_linear`)."""
+    """The Linear of an Fp16Linear holding tiles, a BlockLinear or a Q8ActLinear (see `kernel_linear`)."""
     from specdraft.models.block_linear import BlockLinear
+    from specdraft.models.q8_act_linear import Q8ActLinear
 
+    if type(m) is Q8ActLinear:
+        return Linear(Q8_ACT_NIBBLES if m.nibbles else Q8_ACT, m.packed_codes.data_ptr(), m.scales.data_ptr(),
+                      pointer(m.offsets), m.group, pointer(m.bias), m.code_base)
     if type(m) is BlockLinear and m.nibbles is not None:
         return Linear(PACKED_BLOCKS, m.nibbles.data_ptr(), m.scales.data_ptr(), pointer(m.offsets), m.group,
                       pointer(m.bias), m.code_base)
@@ -37,9 +41,10 @@ def linear_weights(m) -> Linear:
 def kernel_linear(m) -> bool:
     """Whether decoder_layer.c multiplies by this projection's weights as its forward does."""
     from specdraft.models.block_linear import BlockLinear
+    from specdraft.models.q8_act_linear import Q8ActLinear
     from specdraft.models.quant import Fp16Linear
 
-    return (type(m) is Fp16Linear and m.tiles is not None) or type(m) is BlockLinear
+    return (type(m) is Fp16Linear and m.tiles is not None) or type(m) in (BlockLinear, Q8ActLinear)
 
 
 class LayerWeights(ctypes.Structure):
@@ -140,7 +145,7 @@ class Snapshot:
 
 def fusable(linears, norms, act: str, qk_norms, head_dim: int) -> bool:
     """Whether decoder_layer.c computes a layer made of these parts: every projection fp16 tiles
-    or GGUF blocks (`kernel_linear`), an activation gated_act.c takes, norms with float32 scales (or none) and one
+    or GGUF blocks, float32 or int8 activations (`kernel_linear`), an activation gated_act.c takes, norms with float32 scales (or none) and one
     eps, q/k norms (those the layer has) with scales."""
     from specdraft.models.kernels.gated_act import KINDS
     from specdraft.models.kernels.qk_rope import MAX_HEAD_DIM
@@ -162,7 +167,7 @@ def parts_key(linears, norms, *extra) -> tuple[tuple, tuple]:
 
 def _weight_tensor(m) -> torch.Tensor | None:
     """The tensor a LayerWeights' Linear points at for projection m: tiles, codes or packed codes."""
-    for name in ("tiles", "codes", "nibbles"):
+    for name in ("tiles", "codes", "nibbles", "packed_codes"):
         t = getattr(m, name, None)
         if t is not None:
             return t

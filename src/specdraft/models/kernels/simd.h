@@ -15,6 +15,16 @@ static inline void prefetch_bytes(const void *p, int64_t bytes) {
     for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)p + b, _MM_HINT_T0);
 }
 
+/* Calls kind_1 .. kind_4 by the number of rows mb <= ROW_BLOCK: each tile has its row count fixed
+ * at compile time, so its accumulators stay in registers. */
+#define BY_ROWS(mb, kind, ...)                   \
+    switch (mb) {                                \
+    case 1: kind##_1(__VA_ARGS__); break;        \
+    case 2: kind##_2(__VA_ARGS__); break;        \
+    case 3: kind##_3(__VA_ARGS__); break;        \
+    default: kind##_4(__VA_ARGS__); break;       \
+    }
+
 /* Lanes (0+4, 1+5, 2+6, 3+7), then the pair 2 away, then the next: one order, always. */
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));

@@ -1,0 +1,184 @@
+/* y = x W^T with int8 activations against GGUF-block weights, on AVX-512 VNNI (`--weights gguf-q8`).
+ *
+ * The weights are the GGUF blocks of block_gemv.c, w = s * c - o per group of G inputs, kept as
+ * unsigned codes u = c - base in an output-interleaved layout: for each block of 16 outputs and
+ * each step of 4 inputs, 64 bytes hold the 16 outputs' 4 codes. One VNNI multiply-add (vpdpbusd)
+ * takes those 64 codes against the same 4 int8 activations broadcast to all lanes: 64 products
+ * an instruction into 16 int32 sums, one per output, with no sum across lanes. 4-bit codes (Q4_K,
+ * Q4_0) take half the bytes: a byte's low nibble is step 2j's code and its high nibble step 2j + 1's.
+ *
+ * Each hidden row x is quantised as llama.cpp's Q8_0 does it: per 32 inputs a scale
+ * t = max|x| / 127 and codes q = round(x / t). With the integer group sums
+ * I_g = sum c q = sum u q + base * sum q (exact),
+ *
+ *     y = sum over groups g of  (s_g * I_g) * t_g  -  o_g * (t_g * sum q)
+ *
+ * in float32, in one fixed order. So this is not the float32 model's arithmetic (block_gemv.c
+ * is), but llama.cpp's kind: activations rounded to 8 bits per 32 inputs (BENCHMARKS.md reports
+ * what that costs against float32). What it buys: a row costs about a third of the float32
+ * multiply-adds, so a verification of K + 1 positions costs little more than one step.
+ *
+ * Row invariance: every (output, row) pair is summed in one fixed order, whatever the number of
+ * rows M in the call and however outputs are split across threads, so a (K+1)-row verification
+ * gives each row the bits of a one-row step.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "simd.h"
+
+#define ACT_GROUP 32 /* inputs per activation scale */
+#define OUT_BLOCK 16 /* outputs interleaved per 64-byte step */
+#define ROW_BLOCK 4
+
+/* One 32-input block of a row: its codes into qb, its scale t, and the sums of its two halves'
+ * codes. q = round(x / t) to nearest even; |x / t| <= 127 up to a rounding, which rounds to 127. */
+static inline float quantize_block(const float *xb, int8_t *qb, int sum[2])
+{
+#if defined(__AVX512F__)
+    const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float t = top / 127.0f;
+    if (t == 0.0f) {
+        _mm256_storeu_si256((__m256i *)qb, _mm256_setzero_si256());
+        sum[0] = sum[1] = 0;
+        return t;
+    }
+    const __m512 tv = _mm512_set1_ps(t);
+    const __m512i c0 = _mm512_cvtps_epi32(_mm512_div_ps(x0, tv)), c1 = _mm512_cvtps_epi32(_mm512_div_ps(x1, tv));
+    _mm_storeu_si128((__m128i *)qb, _mm512_cvtsepi32_epi8(c0));
+    _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtsepi32_epi8(c1));
+    sum[0] = _mm512_reduce_add_epi32(c0);
+    sum[1] = _mm512_reduce_add_epi32(c1);
+    return t;
+#else
+    float top = 0.0f;
+    for (int i = 0; i < ACT_GROUP; i++) top = fmaxf(top, fabsf(xb[i]));
+    const float t = top / 127.0f;
+    sum[0] = sum[1] = 0;
+    for (int i = 0; i < ACT_GROUP; i++) {
+        const int c = t > 0.0f ? (int)nearbyintf(xb[i] / t) : 0;
+        qb[i] = (int8_t)c;
+        sum[i >= 16] += c;
+    }
+    return t;
+#endif
+}
+
+/* x [M, K] float32 -> q [M, K] int8 (per 32 inputs t = max|x| / 127, q = round(x / t)), and per
+ * group of G inputs (G = 16 or 32) a[g] = t of its 32-block, sums[g] = the sum of its q and
+ * b[g] = t * sums[g]. */
+void q8_act_quantize(const float *x, int64_t M, int64_t K, int64_t G, int8_t *q, float *a, float *b, int32_t *sums,
+                     int threads)
+{
+#pragma omp parallel for schedule(static) num_threads(threads) if (M * K >= (1 << 15))
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t blk = 0; blk < K / ACT_GROUP; blk++) {
+            int sum[2];
+            const float t = quantize_block(x + m * K + blk * ACT_GROUP, q + m * K + blk * ACT_GROUP, sum);
+            if (G == ACT_GROUP) {
+                const int64_t g = m * (K / G) + blk;
+                a[g] = t, sums[g] = sum[0] + sum[1], b[g] = t * (float)sums[g];
+            } else { /* G = 16: two weight groups share this block's scale */
+                for (int h = 0; h < 2; h++) {
+                    const int64_t g = m * (K / G) + 2 * blk + h;
+                    a[g] = t, sums[g] = sum[h], b[g] = t * (float)sum[h];
+                }
+            }
+        }
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+static inline __m512i bcast4(const int8_t *q) { return _mm512_set1_epi32(*(const int32_t *)q); }
+
+/* One block of 16 outputs against MB rows. Two int32 sums per row (even and odd steps) keep two
+ * dependency chains in flight; a group's epilogue adds them in one order. `codes` points at the
+ * block's steps; NIBBLES: 32 bytes a step pair, else 64 bytes a step. */
+#define TILE(MB, NAME, NIBBLES)                                                                      \
+static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, const float *o,          \
+                        const int8_t *q, const float *a, const float *b, const int32_t *sums,       \
+                        float *y, int64_t m0, int64_t K, int64_t G, int64_t N, int64_t n0) {        \
+    __m512 acc[MB];                                                                                 \
+    for (int r = 0; r < MB; r++) acc[r] = _mm512_setzero_ps();                                     \
+    const int64_t groups = K / G, steps = G / 4;                                                    \
+    for (int64_t g = 0; g < groups; g++) {                                                          \
+        __m512i sum0[MB], sum1[MB];                                                                 \
+        for (int r = 0; r < MB; r++) sum0[r] = sum1[r] = _mm512_setzero_si512();                    \
+        for (int64_t st = 0; st < steps; st += 2) {                                                 \
+            const int64_t k = g * G + 4 * st;                                                       \
+            __m512i w0, w1;                                                                         \
+            if (NIBBLES) {                                                                          \
+                const __m512i byte = _mm512_loadu_si512(codes + (g * steps + st) * 32);             \
+                const __m512i low = _mm512_set1_epi8(15);                                           \
+                w0 = _mm512_and_si512(byte, low);                                                   \
+                w1 = _mm512_and_si512(_mm512_srli_epi16(byte, 4), low);                             \
+            } else {                                                                                \
+                w0 = _mm512_loadu_si512(codes + (g * steps + st) * 64);                             \
+                w1 = _mm512_loadu_si512(codes + (g * steps + st + 1) * 64);                         \
+            }                                                                                       \
+            for (int r = 0; r < MB; r++) {                                                          \
+                const int8_t *qr = q + (m0 + r) * K + k;                                            \
+                sum0[r] = _mm512_dpbusd_epi32(sum0[r], w0, bcast4(qr));                             \
+                sum1[r] = _mm512_dpbusd_epi32(sum1[r], w1, bcast4(qr + 4));                         \
+            }                                                                                       \
+        }                                                                                           \
+        const __m512 sg = _mm512_loadu_ps(s + g * OUT_BLOCK);                                       \
+        for (int r = 0; r < MB; r++) {                                                              \
+            const int64_t ag = (m0 + r) * groups + g;                                               \
+            __m512i ig = _mm512_add_epi32(sum0[r], sum1[r]);                                        \
+            if (base) ig = _mm512_add_epi32(ig, _mm512_set1_epi32(base * sums[ag])); /* sum c q */ \
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ig), sg), _mm512_set1_ps(a[ag]), acc[r]); \
+            if (o) acc[r] = _mm512_fnmadd_ps(_mm512_loadu_ps(o + g * OUT_BLOCK), _mm512_set1_ps(b[ag]), acc[r]); \
+        }                                                                                           \
+    }                                                                                               \
+    for (int r = 0; r < MB; r++) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);                  \
+}
+
+TILE(1, tile, 0)
+TILE(2, tile, 0)
+TILE(3, tile, 0)
+TILE(4, tile, 0)
+TILE(1, ntile, 1)
+TILE(2, ntile, 1)
+TILE(3, ntile, 1)
+TILE(4, ntile, 1)
+
+/* q, a, b, sums: the rows as q8_act_quantize gives them; codes u = c - base: [N/16, K/4, 16, 4] uint8
+ * (nibbles: [N/16, K/8, 16, 4], low nibble step 2j, high step 2j + 1); s, o: [N/16, K/G, 16]
+ * float32 (o may be NULL: no offsets); y [M, N]. N a multiple of 16, K of G and 32. */
+void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t *sums, const uint8_t *codes,
+                 int nibbles, int32_t base, const float *s, const float *o, float *y, int64_t M, int64_t N, int64_t K,
+                 int64_t G, int threads)
+{
+    /* No software prefetch: each thread reads its blocks as one contiguous stream, which the
+     * hardware prefetcher follows; fetching the next block ahead (or 4-16 lines ahead) read the
+     * same or slower on a 2-core Zen 4 (20 matrices of 4096 x 640 codes, 22 GB/s at one row). */
+    const int64_t blocks = N / OUT_BLOCK, block_bytes = nibbles ? K * OUT_BLOCK / 2 : K * OUT_BLOCK;
+    const int64_t block_scales = (K / G) * OUT_BLOCK;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        const uint8_t *c = codes + nb * block_bytes;
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+            const int mb = (int)(M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK);
+            if (nibbles) {
+                BY_ROWS(mb, ntile, c, base, s + nb * block_scales, o ? o + nb * block_scales : 0, q, a, b, sums,
+                        y, m0, K, G, N, nb * OUT_BLOCK)
+            } else {
+                BY_ROWS(mb, tile, c, base, s + nb * block_scales, o ? o + nb * block_scales : 0, q, a, b, sums,
+                        y, m0, K, G, N, nb * OUT_BLOCK)
+            }
+        }
+    }
+}
+#else
+/* Without AVX-512 VNNI the format is refused before any call (models/gguf_q8_linear.py). */
+void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t *sums, const uint8_t *codes,
+                 int nibbles, int32_t base, const float *s, const float *o, float *y, int64_t M, int64_t N, int64_t K,
+                 int64_t G, int threads)
+{
+    (void)q, (void)a, (void)b, (void)sums, (void)codes, (void)nibbles, (void)base, (void)s, (void)o, (void)y, (void)M,
+        (void)N, (void)K, (void)G, (void)threads;
+}
+#endif

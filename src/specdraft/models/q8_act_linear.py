@@ -1,0 +1,134 @@
+"""Linears over GGUF blocks with int8 activations, on AVX-512 VNNI (--weights gguf-q8).
+
+The same weights as --weights gguf (models/block_linear.py), w = s * c - o per group, but each
+input row is rounded to int8 per 32 inputs (llama.cpp's Q8_0 activations) and multiplied by the
+codes as integers, 64 products an instruction (kernels/q8_act_gemv.c). --weights gguf computes
+the float32 model exactly up to the order of sums and spends one float32 multiply-add a weight
+and a row; here a row costs about a third of that, so a verification of K + 1 positions costs
+little more than one step. What it costs in quality against float32 is measured, not assumed
+(BENCHMARKS.md).
+
+Every (output, row) pair is summed in one fixed order whatever the number of rows, so
+speculative output still equals plain output. Prompts take the same kernel (its integer
+products run near a bf16 GEMM's speed there and need no second copy of the weights).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdraft.errors import SpecdraftError
+from specdraft.models.block_linear import BlockLinear, Blocks
+from specdraft.models.kernels import build
+
+OUT_BLOCK = 16  # outputs interleaved per 64-byte step (q8_act_gemv.c)
+ACT_GROUP = 32  # inputs per activation scale
+
+
+def kernel_available() -> bool:
+    """Whether this CPU and build run the kernel: the AVX-512 build, which needs VNNI."""
+    return build.available() and build.library_is_avx512()
+
+
+def require_kernel() -> None:
+    if not kernel_available():
+        raise SpecdraftError("--weights gguf-q8 needs an x86 CPU with AVX-512 VNNI (and a C compiler); "
+                             "use --weights gguf")
+
+
+def interleave_codes(codes: torch.Tensor, nibbles: bool) -> torch.Tensor:
+    """Unsigned codes u [N, K] -> the kernel's layout: per block of 16 outputs and step of 4 inputs,
+    the 16 outputs' 4 codes (64 bytes); nibbles: two steps a byte, step 2j low, 2j + 1 high."""
+    n, k = codes.shape
+    if nibbles:
+        u = codes.view(n // OUT_BLOCK, OUT_BLOCK, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
+        return (u[:, :, 0] | (u[:, :, 1] << 4)).contiguous()
+    return codes.view(n // OUT_BLOCK, OUT_BLOCK, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+
+
+def by_output_block(t: torch.Tensor) -> torch.Tensor:
+    """Per-group values [N, K/G] -> [N/16, K/G, 16], the order the kernel reads them."""
+    n, groups = t.shape
+    return t.view(n // OUT_BLOCK, OUT_BLOCK, groups).permute(0, 2, 1).contiguous()
+
+
+def q8_act_mm(rows: torch.Tensor, codes: torch.Tensor, nibbles: bool, base: int, scales: torch.Tensor,
+              offsets: torch.Tensor | None, n: int, group: int) -> torch.Tensor:
+    """rows [M, K] float32 -> [M, N] float32 (see the module docstring)."""
+    rows = rows.float().contiguous()
+    m, k = rows.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    if not m:
+        return out
+    threads, lib = torch.get_num_threads(), build.library()
+    q = torch.empty(m, k, dtype=torch.int8)
+    a, b, sums = torch.empty(m, k // group), torch.empty(m, k // group), torch.empty(m, k // group, dtype=torch.int32)
+    lib.q8_act_quantize(rows.data_ptr(), m, k, group, q.data_ptr(), a.data_ptr(), b.data_ptr(), sums.data_ptr(),
+                        threads)
+    lib.q8_act_gemv(q.data_ptr(), a.data_ptr(), b.data_ptr(), sums.data_ptr(), codes.data_ptr(), int(nibbles), base,
+                    scales.data_ptr(), None if offsets is None else offsets.data_ptr(), out.data_ptr(), m, n, k,
+                    group, threads)
+    return out
+
+
+class Q8ActLinear(nn.Module):
+    """y = x W^T + b with W kept as GGUF blocks and x rounded to int8 per 32 inputs; float32 in and out."""
+
+    @staticmethod
+    def takes(blocks: Blocks) -> bool:
+        """Whether the kernel takes these blocks: outputs in blocks of 16, inputs in blocks of 32,
+        groups of 16 or 32, codes spanning at most 256 values."""
+        n, k = blocks.codes.shape
+        return (n % OUT_BLOCK == 0 and k % ACT_GROUP == 0 and blocks.group in (16, 32)
+                and int(blocks.codes.max()) - int(blocks.codes.min()) <= 255)
+
+    def __init__(self, blocks: Blocks, bias: torch.Tensor | None):
+        super().__init__()
+        if not self.takes(blocks):
+            raise ValueError(f"--weights gguf-q8 takes no {tuple(blocks.codes.shape)} matrix in groups of {blocks.group} "
+                             f"(outputs in blocks of {OUT_BLOCK}, inputs in blocks of {ACT_GROUP}, 256 codes at most)")
+        n, k = blocks.codes.shape
+        self.out_features, self.in_features, self.group = n, k, blocks.group
+        self.code_base = base = int(blocks.codes.min())
+        span = int(blocks.codes.max()) - base
+        self.nibbles = span <= 15 and k % 8 == 0  # 4-bit codes (Q4_K, Q4_0/1) stay two a byte
+        unsigned = (blocks.codes.to(torch.int16) - base).to(torch.uint8)
+        self.register_buffer("packed_codes", interleave_codes(unsigned, self.nibbles))
+        self.register_buffer("scales", by_output_block(blocks.scales.float()))
+        self.register_buffer("offsets", None if blocks.offsets is None else by_output_block(blocks.offsets.float()))
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        mm = q8_act_mm_op if torch.compiler.is_compiling() else q8_act_mm
+        y = mm(rows, self.packed_codes, self.nibbles, self.code_base, self.scales, self.offsets, self.out_features,
+               self.group)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+q8_act_mm_op = torch.library.custom_op("specdraft::q8_act_mm", q8_act_mm, mutates_args=())
+
+
+@q8_act_mm_op.register_fake
+def _(rows, codes, nibbles, base, scales, offsets, n, group):
+    return rows.new_empty(rows.shape[0], n, dtype=torch.float32)
+
+
+def use_q8_activations(model: nn.Module) -> list[str]:
+    """Every BlockLinear of the decoder layers that the kernel takes becomes a Q8ActLinear (the LM
+    head keeps its exact float32 kernel: the greedy head's screen already multiplies int8 by
+    int8). Returns the names of those it does not take (they keep float32 rows)."""
+    require_kernel()
+    kept = []
+    for child_name, child in list(model.layers.named_modules()):
+        for attr, sub in list(child.named_children()):
+            if type(sub) is not BlockLinear:
+                continue
+            blocks = sub.blocks
+            if Q8ActLinear.takes(blocks):
+                setattr(child, attr, Q8ActLinear(blocks, sub.bias))
+            else:
+                kept.append(f"layers.{child_name}.{attr}")
+    return kept

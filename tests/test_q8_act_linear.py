@@ -1,0 +1,133 @@
+"""--weights gguf-q8: GGUF blocks against int8 activations, row-invariant.
+
+Oracles: float64 products of the float32 weights and rows, within the proven error of rounding
+each row to int8 per 32 inputs (|x - t q| <= t / 2); a one-row call (bit for bit at every call
+size and thread count); the per-op path against the one-call layer; plain decoding against
+speculative decoding (token for token).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import prompts_of
+from test_gguf_weights import write_quantised_gguf
+from test_quant import repetitive_prompts, speculative_equals_plain
+from specdraft.models import q8_act_linear
+from specdraft.models.block_linear import Blocks
+from specdraft.models.q8_act_linear import Q8ActLinear
+
+vnni = pytest.mark.skipif(not q8_act_linear.kernel_available(), reason="no AVX-512 VNNI CPU or no C compiler here")
+
+
+def random_blocks(n: int, k: int, group: int, low: int, high: int, offsets: bool, seed: int) -> Blocks:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(low, high + 1, (n, k), dtype=torch.int8, generator=gen)
+    scales = torch.rand(n, k // group, generator=gen) * 0.02
+    offs = torch.rand(n, k // group, generator=gen) * 0.05 if offsets else None
+    return Blocks(codes, scales, offs, group)
+
+
+def quantisation_bound(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """[M, N] bound on |x W^T - y|: the rounding of each row to int8 per 32 inputs, t / 2 per input
+    (t = max|x| / 127 of its block), times |w|; plus float32's share of the sums (1e-5 of the
+    magnitudes the kernel adds: the codes' products, the offsets and the base's)."""
+    t = x.abs().view(x.shape[0], -1, 32).amax(-1) / 127
+    per_input = (t / 2).repeat_interleave(32, dim=1).double()
+    w = blocks.dequantized().double()
+    s = blocks.scales.double().repeat_interleave(blocks.group, dim=1)
+    o = 0 if blocks.offsets is None else blocks.offsets.double().repeat_interleave(blocks.group, dim=1)
+    magnitude = (s * blocks.codes.double()).abs() + 128 * s + (o.abs() if blocks.offsets is not None else 0)
+    return per_input @ w.abs().T + 1e-5 * (x.double().abs() @ magnitude.T)
+
+
+@vnni
+@pytest.mark.parametrize("group,low,high,offsets,k", [
+    (32, -16, 15, False, 640),  # Q5_0
+    (32, -127, 127, False, 192),  # Q8_0
+    (16, -32, 31, False, 256),  # Q6_K
+    (32, 0, 15, True, 320),  # Q4_K (4-bit codes, kept two a byte)
+    (32, -8, 7, False, 64),  # Q4_0
+])
+def test_kernel_is_within_the_quantisation_bound_and_row_invariant(group, low, high, offsets, k) -> None:
+    blocks = random_blocks(48, k, group, low, high, offsets, seed=k)
+    bias = torch.randn(48)
+    layer = Q8ActLinear(blocks, bias)
+    assert layer.nibbles == (high - low <= 15)
+    x = torch.randn(9, k) * torch.linspace(0.1, 3.0, k)  # scales that differ block to block
+    x[4, :32] = 0.0  # an all-zero block: scale 0
+    y = layer(x)
+    exact = x.double() @ blocks.dequantized().double().T + bias.double()
+    err = (y.double() - exact).abs()
+    assert (err <= quantisation_bound(x, blocks)).all()
+    assert err.max() > 0  # int8 rows do change the result: the bound is what is tested
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, threads):
+            torch.set_num_threads(n_threads)
+            for m in range(1, 10):  # every call size gives each row the bits of a one-row call
+                assert torch.equal(layer(x[:m]), y[:m])
+            for i in range(9):
+                assert torch.equal(layer(x[i:i + 1]), y[i:i + 1])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_kernel_refuses_shapes_it_does_not_take() -> None:
+    assert Q8ActLinear.takes(random_blocks(32, 64, 32, -16, 15, False, seed=1))
+    assert not Q8ActLinear.takes(random_blocks(24, 64, 32, -16, 15, False, seed=1))  # outputs not in 16s
+    assert not Q8ActLinear.takes(random_blocks(32, 48, 16, -16, 15, False, seed=1))  # inputs not in 32s
+    wide = random_blocks(32, 64, 32, -16, 15, False, seed=1)
+    wide.codes[0, 0], wide.codes[0, 1] = -128, 127
+    assert Q8ActLinear.takes(wide)  # 256 codes: still unsigned bytes
+    with pytest.raises(ValueError, match="gguf-q8"):
+        Q8ActLinear(random_blocks(24, 64, 32, -16, 15, False, seed=1), None)
+
+
+@vnni
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "Q5_0"])
+def test_gguf_q8_decodes_near_the_float32_model_and_speculation_is_exact(tmp_path: Path, monkeypatch,
+                                                                         fmt: str) -> None:
+    from test_cpu_kernels import one_call_bits_equal_per_op
+    from specdraft.runtime import Runtime
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    path = write_quantised_gguf(tmp_path / f"tiny-{fmt}.gguf", fmt)
+    q8 = Runtime.load(str(path), dtype="float32", weights="gguf-q8", progress=False)
+    exact = Runtime.load(str(path), dtype="float32", weights="gguf", progress=False)
+    kinds = {type(m).__name__ for m in q8.model.layers.modules()}
+    assert "Q8ActLinear" in kinds and "BlockLinear" not in kinds and "Linear" not in kinds
+    assert q8.weights == "gguf-q8" and q8.notes == []
+    vocab = q8.config.vocab_size
+    ids = torch.tensor([prompts_of([12], vocab, seed=2)[0]])
+    with torch.inference_mode():
+        cache_q, cache_e = q8.model.new_cache(1, 40), exact.model.new_cache(1, 40)
+        q8.model(ids, cache_q), exact.model(ids, cache_e)
+        for token in prompts_of([6], vocab, seed=3)[0]:
+            t = torch.tensor([[token]])
+            lq, le = q8.model.logits(q8.model(t, cache_q)), exact.model.logits(exact.model(t, cache_e))
+            # each linear is within its proven bound (above); through a random tiny model's layers
+            # int8 rows move the logits by up to ~14% of their spread and the distribution by a
+            # KL of ~1e-3 (measured): twice that fails
+            assert 0 < (lq - le).abs().max().item() < 0.3 * le.std().item()
+            assert torch.nn.functional.kl_div(lq.log_softmax(-1), le.log_softmax(-1), log_target=True,
+                                              reduction="batchmean").item() < 2.5e-3
+    for batch in (1, 4):  # wide verifications give each row its one-row bits: output equals plain
+        speculative_equals_plain(q8.model, repetitive_prompts(vocab), batch)
+    assert one_call_bits_equal_per_op(q8.model, prompts_of([20], vocab, seed=6)[0], monkeypatch, 10)
+
+
+def test_gguf_q8_is_refused_clearly_without_vnni(tmp_path: Path, monkeypatch) -> None:
+    from specdraft.errors import SpecdraftError
+    from specdraft.runtime import Runtime
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    path = write_quantised_gguf(tmp_path / "tiny.gguf", "Q8_0")
+    monkeypatch.setattr(q8_act_linear, "kernel_available", lambda: False)
+    with pytest.raises(SpecdraftError, match="AVX-512 VNNI"):
+        Runtime.load(str(path), dtype="float32", weights="gguf-q8", progress=False)
+    with pytest.raises(SpecdraftError, match="float32"):
+        Runtime.load(str(path), dtype="bfloat16", weights="gguf-q8", progress=False)

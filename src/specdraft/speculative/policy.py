@@ -56,6 +56,7 @@ RELAX = 0.01  # per plain round: how far unobserved estimates move back towards 
 MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (estimates are noisy)
 PROFILE_CONTEXT = 128  # cached tokens in the scratch cache the costs are timed over
 PROFILE_REPEATS = 2  # timed calls per cell; the fastest counts (other processes only add time)
+DRAFT_PROFILE_REPEATS = 6  # the same for drafting rounds (short, so noisier)
 
 
 class DraftPolicy:
@@ -566,8 +567,10 @@ def _time_drafter(drafter: Drafter, cache, hidden: torch.Tensor, tokens: torch.T
             inner.reset_row(r)
         greedy = SamplingParams()
         inner.propose(inp, steps, greedy, None)  # warm-up
-        one = _fastest(lambda: inner.propose(inp, 1, greedy, None), dev)
-        many = _fastest(lambda: inner.propose(inp, steps, greedy, None), dev)
+        # more repeats than a target forward gets: a round is a few ms, and with 2 a draft step of
+        # ~2 ms once read 5.6 ms, which kept `auto` from drafting (BENCHMARKS.md)
+        one = _fastest(lambda: inner.propose(inp, 1, greedy, None), dev, DRAFT_PROFILE_REPEATS)
+        many = _fastest(lambda: inner.propose(inp, steps, greedy, None), dev, DRAFT_PROFILE_REPEATS)
     finally:
         if stop is not None:
             inner.min_confidence = stop

@@ -72,6 +72,20 @@ def test_batch_size_enters_through_the_verify_cost():
     assert p.choose([p.new_row("mtp") for _ in range(8)]) == 0
 
 
+def test_several_rows_draft_only_for_a_clear_gain():
+    """A round of several rows must beat plain by BATCH_MARGIN (its host work is not in the
+    costs); one row by MARGIN. A predicted gain of ~6%: drafted alone, not in a batch of 4."""
+    from specdraft.speculative.policy import BATCH_MARGIN, MARGIN
+
+    costs = FakeCosts(lambda n, w: 1.0 + 0.5 * (w - 1))  # a round verifying 1 draft: 1.5x a plain step
+    p = policy_for(costs, k=1, prior={"mtp": 0.6})  # 1.6 tokens a row for 1.5x the time
+    assert MARGIN < (1 + 0.6) / 1.5 - 1 < BATCH_MARGIN  # a 6.7% gain, between the two margins
+    assert p.choose([p.new_row("mtp")]) == 1
+    assert p.choose([p.new_row("mtp") for _ in range(4)]) == 0
+    assert policy_for(costs, k=1, prior={"mtp": 0.6}, batch_margin=MARGIN).choose(
+        [p.new_row("mtp") for _ in range(4)]) == 1
+
+
 def test_acceptance_updates_move_the_choice():
     """Rejections push a row to plain rounds; plain rounds relax it back to the prior, so it is
     probed again; acceptances widen it."""

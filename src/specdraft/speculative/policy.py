@@ -54,6 +54,11 @@ POOL_RATE = 0.05  # the same for the engine-wide estimate a new request starts f
 RELAX = 0.01  # per plain round: how far unobserved estimates move back towards the prior (a failed
 # probe then costs one wide round in a few dozen plain ones)
 MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (estimates are noisy)
+# The same for rounds of several rows: there a round's host work (drafter bookkeeping, copy
+# lookups, ragged acceptance) grows with the rows and is not in the measured costs, and the
+# costs themselves read +-10% apart on a shared CPU; with 3% `auto` drafted at batch 4 for a
+# predicted gain and ran 0.94x plain (BENCHMARKS.md).
+BATCH_MARGIN = 0.10
 PROFILE_CONTEXT = 128  # cached tokens in the scratch cache the costs are timed over
 PROFILE_REPEATS = 2  # timed calls per cell; the fastest counts (other processes only add time)
 DRAFT_PROFILE_REPEATS = 6  # the same for drafting rounds (short, so noisier)
@@ -133,8 +138,9 @@ class AdaptivePolicy(DraftPolicy):
     (alive: the expected rows per block of head positions, see MeasuredCosts.verify) and
     draft(n, steps) -> seconds (MeasuredCosts here; tests pass their own)."""
 
-    def __init__(self, costs, prior: dict[str, float] | None = None, margin: float = MARGIN):
-        self.costs, self.prior, self.margin = costs, dict(prior or PRIOR), margin
+    def __init__(self, costs, prior: dict[str, float] | None = None, margin: float = MARGIN,
+                 batch_margin: float = BATCH_MARGIN):
+        self.costs, self.prior, self.margin, self.batch_margin = costs, dict(prior or PRIOR), margin, batch_margin
         self.k = self.width = 0
         # Per source, every request's outcomes pooled: a new request starts from what the engine
         # has seen (a server or a benchmark keeps one engine for many requests), else from the prior.
@@ -169,7 +175,7 @@ class AdaptivePolicy(DraftPolicy):
 
     def _start_continues(self, source: str) -> list[float]:
         size = max(0, self.cap(source) - 1)
-        if len(self.pooled_continues.get(source, ())) != size:
+        if source not in self.pooled_continues or len(self.pooled_continues[source]) != size:
             self.pooled_continues[source] = [1.0] * size
         return self.pooled_continues[source]
 
@@ -220,7 +226,8 @@ class AdaptivePolicy(DraftPolicy):
                     steps[w] = max(steps[w], min(drafts[w], self.k))
             for b in range(HEAD_BLOCK, self.width + 1, HEAD_BLOCK) if blockwise else ():
                 alive[b // HEAD_BLOCK] += tokens[b] - tokens[b - 1]  # this row still unrejected there
-        best, best_rate = 0, n / self.costs.verify(n, 1, alive[:1]) * (1 + self.margin)
+        margin = self.margin if n == 1 else max(self.margin, self.batch_margin)
+        best, best_rate = 0, n / self.costs.verify(n, 1, alive[:1]) * (1 + margin)
         for w in range(1, self.width + 1):
             draft = self.costs.draft(n, steps[w]) if steps[w] > 0 else 0.0
             rate = gains[w] / (draft + self.costs.verify(n, widths[w] + 1, alive))

@@ -36,7 +36,7 @@ from specdraft.drafters.ngram import NgramDrafter
 from specdraft.sampling import SamplingParams, sample
 from specdraft.speculative import engine as engine_module
 from specdraft.speculative.engine import Engine
-from specdraft.speculative.policy import AdaptivePolicy, DraftPolicy
+from specdraft.speculative.policy import MARGIN, AdaptivePolicy, DraftPolicy
 
 V = 16
 PROMPT = [5, 9, 5, 9, 7, 5]  # repeats, so the n-gram drafter finds matches
@@ -473,7 +473,9 @@ def test_sampling_stays_exact_with_adaptive_widths(case: str, target, drafters) 
     if kind == "scripted":
         policy = ScriptedPolicy(MIXED_SCRIPT if "ngram" in key else WIDTH_SCRIPT)
     else:
-        policy = RecordingPolicy(FakeCosts(), prior={"mtp": 0.5, "lookup": 0.5})
+        # one margin for every round: these costs are built around it (batched rounds' extra
+        # margin would make most rounds plain, and this case is about the policy's cuts)
+        policy = RecordingPolicy(FakeCosts(), prior={"mtp": 0.5, "lookup": 0.5}, batch_margin=MARGIN)
     probs = exact_joint(target)
     counts, acceptance = adaptive_counts(target, drafter, k, policy, ADAPTIVE_N, seed)
     stat, df, p_value, pooled, tv = chi_square(counts, probs)

@@ -92,7 +92,7 @@ class Q8ActLinear(nn.Module):
         self.out_features, self.in_features, self.group = n, k, blocks.group
         self.code_base = base = int(blocks.codes.min())
         span = int(blocks.codes.max()) - base
-        self.nibbles = span <= 15 and k % 8 == 0  # 4-bit codes (Q4_K, Q4_0/1) stay two a byte
+        self.nibbles = span <= 15  # 4-bit codes (Q4_K, Q4_0/1) stay two a byte
         unsigned = (blocks.codes.to(torch.int16) - base).to(torch.uint8)
         self.register_buffer("packed_codes", interleave_codes(unsigned, self.nibbles))
         self.register_buffer("scales", by_output_block(blocks.scales.float()))
@@ -117,18 +117,21 @@ def _(rows, codes, nibbles, base, scales, offsets, n, group):
 
 
 def use_q8_activations(model: nn.Module) -> list[str]:
-    """Every BlockLinear of the decoder layers that the kernel takes becomes a Q8ActLinear (the LM
-    head keeps its exact float32 kernel: the greedy head's screen already multiplies int8 by
-    int8). Returns the names of those it does not take (they keep float32 rows)."""
+    """Every BlockLinear of the decoder layers, and the LM head's, that the kernel takes becomes a
+    Q8ActLinear: the head's greedy argmax and sampled logits then come from int8 rows like every
+    layer's (no exact screen: these logits are the format's own), and a wide verify costs about as
+    little there as in the layers. Returns the names of those it does not take (they keep float32 rows)."""
     require_kernel()
+    places = [(f"layers.{name}.{attr}", child, attr) for name, child in model.layers.named_modules()
+              for attr, _ in child.named_children()]
     kept = []
-    for child_name, child in list(model.layers.named_modules()):
-        for attr, sub in list(child.named_children()):
-            if type(sub) is not BlockLinear:
-                continue
-            blocks = sub.blocks
-            if Q8ActLinear.takes(blocks):
-                setattr(child, attr, Q8ActLinear(blocks, sub.bias))
-            else:
-                kept.append(f"layers.{child_name}.{attr}")
+    for name, owner, attr in places + [("the LM head", model, "packed_head")]:
+        sub = getattr(owner, attr)
+        if type(sub) is not BlockLinear:
+            continue
+        blocks = sub.blocks
+        if Q8ActLinear.takes(blocks):
+            setattr(owner, attr, Q8ActLinear(blocks, sub.bias))
+        else:
+            kept.append(name)
     return kept

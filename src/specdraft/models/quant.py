@@ -221,12 +221,7 @@ def compact_weights(model: nn.Module, fmt: str, blocks: dict[str, Blocks] | None
         q8_act_linear.require_kernel()  # before anything changes
         notes = [n.replace("--weights gguf", "--weights gguf-q8") for n in _gguf_weights(model, blocks)]
         kept = q8_act_linear.use_q8_activations(model)
-        head = model.packed_head
-        if type(head) is block_linear.BlockLinear and q8_act_linear.Q8ActLinear.takes(blocks := head.blocks):
-            # the head too: its greedy argmax and sampled logits from int8 rows, like every layer
-            # (no exact screen: these logits are the format's own), and a wide verify costs
-            # about as little here as in the layers
-            model.packed_head = q8_act_linear.Q8ActLinear(blocks, head.bias)
+        if isinstance(model.packed_head, q8_act_linear.Q8ActLinear):
             # what still reads the float32 table (input embeddings, the MTP drafter's candidate
             # scores) reads it in fp16: rows rounded at 2^-11, well inside the int8 rows' 2^-8,
             # and half its bytes (335 MB less for Gemma 3 270M, half a draft step's gathers)

@@ -126,3 +126,42 @@ def test_host_copy_columns_equal_the_tensor_ones() -> None:
     assert torch.equal(torch.tensor(lives), live)
     assert torch.equal(torch.tensor(cols)[valid], column[valid])
     assert live.any() and (valid & ~live).any()  # copies inside and outside the candidates
+
+
+@pytest.mark.parametrize("half", [False, True])
+@pytest.mark.parametrize("gated", [False, True])
+def test_one_call_head_equals_the_tensor_path(half: bool, gated: bool) -> None:
+    """The clustered head in one C call (score_rows.c draft_head) lays out and computes the logits
+    of the tensor path (top clusters, candidate scores, add_copies) bit for bit, and picks their
+    argmax with its softmax probability."""
+    from specdraft.drafters.mtp.head import ClusteredHead, score
+    from specdraft.models.kernels import build
+    from specdraft.models.kernels.score_rows import draft_head
+    from specdraft.sampling import SamplingParams, probabilities
+
+    if not build.available():
+        pytest.skip("the C kernels do not build here")
+    gen = torch.Generator().manual_seed(2)
+    head = ClusteredHead(24, 512, 32, 4)  # 32 clusters of 16 tokens, 4 kept
+    head.token_ordering.copy_(torch.randperm(512, generator=gen))
+    torch.nn.init.normal_(head.centroids.weight, generator=gen)
+    table = torch.randn(512, 40, generator=gen)  # d = 40: the dot's 16- and 8-wide loops and its tail
+    table = table.half() if half else table
+    z, vectors = torch.randn(30, 24, generator=gen), torch.randn(30, 40, generator=gen)
+    copies = torch.randint(-1, 512, (30, 2), generator=gen)
+    copies[::3, 1] = copies[::3, 0]  # repeats of the first copy
+    cands = head.candidates(z)
+    copies[1::4, 0] = cands[1::4, 5]  # copies inside the candidates too
+    bonus = torch.randn(30, 2, generator=gen) * 3
+    with torch.inference_mode():
+        want = score(vectors, table, cands)
+        if gated:
+            want, cands = add_copies(want, cands, copies, bonus, vectors, table)
+        q = probabilities(want, SamplingParams(temperature=1.0))
+        logits, got_cands, token, prob = draft_head(vectors, table, head.centroids(z), head.top_k, head.clusters(),
+                                                    *head.slot_tensors(), copies if gated else None,
+                                                    bonus if gated else None, pick=True)
+    assert torch.equal(logits, want) and torch.equal(got_cands, cands)
+    assert torch.equal(token, cands.gather(1, want.argmax(-1, keepdim=True)).squeeze(1))
+    torch.testing.assert_close(prob, q.max(-1).values, rtol=1e-5, atol=1e-6)
+    assert (prob < 0.99).any() and (prob > 0.2).any()  # picks of every confidence

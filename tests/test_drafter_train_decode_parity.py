@@ -145,10 +145,11 @@ def decoding_logits(drafter: MTPDrafter, seq: Sequence, t: int):
         return torch.zeros(1, 1), teacher[:, None]  # pick 0 of candidates [teacher]
 
     drafter.logits = forced
+    drafter.greedy_pick = lambda *a: None  # its one-call head picks as `logits` does (test_mtp_internals.py)
     try:
         d = drafter.propose(inp, K_STEPS, SamplingParams(), None)
     finally:
-        del drafter.logits
+        del drafter.logits, drafter.greedy_pick
     assert d.tokens[0].tolist() == tokens[t + 2 : t + 2 + K_STEPS].tolist()
     return seen
 

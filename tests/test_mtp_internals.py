@@ -169,6 +169,45 @@ class RecordingDrafter(Drafter):
         return d
 
 
+@pytest.mark.parametrize("head", ["own", "target"])
+def test_greedy_drafts_of_the_one_call_head_equal_the_tensor_path(gemma_tiny, tmp_path, head, monkeypatch) -> None:
+    """Greedy rounds pick their drafts in the head's C call (greedy_pick, score_rows.c draft_head)
+    where the kernels build; drafts, early stops and copies match the tensor path's (`logits` as
+    tensor ops, softmax, argmax) exactly."""
+    from specdraft.models.kernels import build
+
+    if not build.available():
+        pytest.skip("the C kernels do not build here")
+    cfg = drafter_config_for(gemma_tiny.ours, hidden=32, layers=2, heads=4, head=head, clustered=True,
+                             num_centroids=16, top_k_clusters=4)
+    cfg.copy_gate = True
+    net = init_network(cfg, gemma_tiny.ours, seed=3, std=0.2)
+    with torch.no_grad():  # an open gate: copies win some steps
+        net.copy_gate.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+        net.copy_gate.proj.bias.fill_(2.0)
+    save_network(net, tmp_path / "d")
+    drafter = load_mtp_drafter(tmp_path / "d", gemma_tiny.ours, torch.float32, "cpu")
+    drafter.min_confidence = 0.15
+    inp = ragged_state(gemma_tiny, [12, 20, 7, 16, 25, 9])
+    picks = []
+    fast_pick = drafter.greedy_pick
+    monkeypatch.setattr(drafter, "greedy_pick", lambda *a: picks.append(fast_pick(*a)) or picks[-1])
+
+    def draft() -> tuple[torch.Tensor, torch.Tensor]:
+        drafter.prepare(6, inp.cache.capacity)
+        with torch.inference_mode():
+            d = drafter.propose(inp, 5, GREEDY, None)
+        return d.tokens, d.num_valid
+
+    fast = draft()
+    assert picks and all(p is not None for p in picks)
+    monkeypatch.setattr(drafter, "greedy_pick", lambda *a: None)
+    monkeypatch.setattr(drafter, "_head_kernel", lambda *a, **kw: None)
+    slow = draft()
+    assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+    assert len(set(fast[1].tolist())) > 1  # some rows stopped early, others drafted on
+
+
 def test_rollback_leaves_the_drafter_nothing_to_undo(gemma_tiny, tmp_path) -> None:
     """Proposals in the middle of a run (after many target rollbacks, with rejected drafts' K/V
     still in the cache past p) equal proposals from a fresh prefill of the same sequence."""

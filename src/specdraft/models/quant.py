@@ -29,6 +29,7 @@ from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models import block_linear, int8_head, q8_act_linear
 from specdraft.models.block_linear import Blocks
 from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16, register
+from specdraft.models.huge_pages import huge_copy
 from specdraft.models.kernels import build as kernels
 from specdraft.models.kernels import fp16_gemv
 
@@ -316,11 +317,12 @@ def narrow_tables(model: nn.Module) -> None:
     The head already scores with the fp16-rounded table (its packed copy); what else reads the
     table (input embeddings, the screened head's exact rescoring, the MTP drafter's clustered
     head) then reads the same fp16 values, widened exactly to float32 where they are used, and
-    the model holds half the bytes: 335 MB less for Gemma 3 270M's 262144 x 640 table.
+    the model holds half the bytes: 335 MB less for Gemma 3 270M's 262144 x 640 table. It is
+    kept in 2 MB pages (models/huge_pages.py): the drafter reads its rows all over.
     """
     for module in (model.embed_tokens, model.lm_head):
         if module is not None and module.weight.dtype == torch.float32:
-            module.weight = nn.Parameter(module.weight.detach().half(), requires_grad=False)
+            module.weight = nn.Parameter(huge_copy(module.weight.detach(), torch.float16), requires_grad=False)
 
 
 def head_scores(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -295,11 +295,12 @@ def cost_key(model_name: str, folder: str, weights: str, dtype: str, device: tor
 
 @functools.lru_cache(maxsize=1)
 def forward_code_digest() -> str:
-    """A hash of the source that decides what a forward costs and how it is timed (models/ and its
-    C kernels, the KV cache, this file): an update that makes steps cheaper or dearer, or times
-    them differently, re-profiles instead of trusting an old table."""
+    """A hash of the source that decides what a forward or a draft step costs and how it is timed
+    (models/ and its C kernels, drafters/, the KV cache, this file): an update that makes steps
+    cheaper or dearer, or times them differently, re-profiles instead of trusting an old table."""
     root = Path(__file__).resolve().parents[1]
-    files = sorted([*(root / "models").rglob("*.py"), *(root / "models").rglob("*.c")])
+    files = sorted([*(root / "models").rglob("*.py"), *(root / "models").rglob("*.c"),
+                    *(root / "drafters").rglob("*.py")])
     files += [root / "kv_cache.py", Path(__file__).resolve()]
     digest = hashlib.sha1()
     for f in files:

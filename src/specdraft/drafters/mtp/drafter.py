@@ -15,6 +15,8 @@ from specdraft.drafters.mtp.copy import RoundCopies, add_copies, host_copy_colum
 from specdraft.drafters.mtp.head import score
 from specdraft.drafters.mtp.network import LayerContext, MTPNetwork
 from specdraft.kv_cache import attention_span
+from specdraft.models.kernels.build import applies as kernels_apply
+from specdraft.models.kernels.score_rows import draft_head
 from specdraft.models.target import AttentionLayout
 from specdraft.sampling import SamplingParams, probabilities, sample
 
@@ -105,6 +107,7 @@ class MTPDrafter(Drafter):
         self.copy_below = net.config.copy_below if copy_below is None else copy_below
         self.round_copies = RoundCopies() if net.copy_gate is not None else None  # the gate's inputs
         self._token_slots = None  # the clustered head's token slots, on the host (host_copy_columns)
+        self._slot_tensors = None  # the same as int32 tensors (_head_kernel)
 
     def nbytes(self) -> int:
         return self.net.nbytes()
@@ -120,6 +123,9 @@ class MTPDrafter(Drafter):
         `copies` [N, 2]: the current tokens' copy candidates (copy.py), for a drafter with a copy gate."""
         table, vec = self.head_table_and_input(z, state)
         head, gated = self.net.masked_embedding, copies is not None and self.net.copy_gate is not None
+        done = self._head_kernel(z, vec, table, copies if gated else None)
+        if done is not None:
+            return done
         top = head.top_clusters(z) if head is not None else None
         cands = head.candidates(z, top) if head is not None else None
         if cands is None and self.net.config.head != "own":
@@ -136,6 +142,29 @@ class MTPDrafter(Drafter):
             logits, cands = add_copies(logits, cands, copies, self.net.copy_gate(z), vec, table, columns)
         return logits, cands
 
+    def greedy_pick(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(greedy draft [N], its probability [N]): the argmax and softmax of `logits`' logits, taken
+        in the head's C call. None where that call does not serve (see _head_kernel)."""
+        table, vec = self.head_table_and_input(z, state)
+        gated = copies is not None and self.net.copy_gate is not None
+        done = self._head_kernel(z, vec, table, copies if gated else None, pick=True)
+        return None if done is None else done[2:]
+
+    def _head_kernel(self, z: torch.Tensor, vec: torch.Tensor, table: torch.Tensor, copies: torch.Tensor | None,
+                     pick: bool = False) -> tuple | None:
+        """The clustered head in one C call (score_rows.c draft_head): the top clusters, their tokens'
+        scores and the copy bonuses, ~0.5 ms a step less than as tensor ops. None for a dense head,
+        or where the kernels do not serve (not float32 on the CPU, SPECDRAFT_KERNELS=0)."""
+        head = self.net.masked_embedding
+        if head is None or not kernels_apply(vec) or table.dtype not in (torch.float16, torch.float32):
+            return None
+        if self._slot_tensors is None:
+            self._slot_tensors = head.slot_tensors()
+        bonus = None if copies is None else self.net.copy_gate(z)
+        return draft_head(vec, table, head.centroids(z), head.top_k, head.clusters(), *self._slot_tensors,
+                          copies, bonus, pick)
+
     def prepare(self, batch_size: int, capacity: int) -> None:
         if self.round_copies is not None:
             self.round_copies.index.reset(batch_size)
@@ -147,6 +176,30 @@ class MTPDrafter(Drafter):
     def move_row(self, src: int, dst: int) -> None:
         if self.round_copies is not None:
             self.round_copies.index.move_row(src, dst)
+
+    def _pick(self, inp: DraftInput, drafts: list[torch.Tensor], current: torch.Tensor, z: torch.Tensor,
+              state: torch.Tensor, copies: torch.Tensor | None, sampling: SamplingParams,
+              generator: torch.Generator | None, drafting: torch.Tensor, probs: list, copy: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A draft step's pick from `logits` (sampled drafts, copy_below, a dense head, no kernels):
+        (token [N], its probability under the drafter, or None when nothing reads it). Sampled
+        steps append the exact Q they drew from to `probs`."""
+        logits, cands = self.logits(z, state, copies)
+        q = confidence = None
+        if not sampling.greedy or self.min_confidence > 0 or copy:
+            q = probabilities(logits, GREEDY_CONFIDENCE if sampling.greedy else sampling)
+        pick = logits.argmax(-1) if sampling.greedy else sample(q, generator)
+        if q is not None:
+            confidence = q.gather(1, pick[:, None]).squeeze(1)
+        token = pick if cands is None else cands.gather(1, pick[:, None]).squeeze(1)
+        if copy:
+            unsure = drafting & (confidence < self.copy_below)
+            if bool(unsure.any()):
+                token = copy_unsure(inp, drafts, current, token, unsure)
+        if not sampling.greedy:
+            # The exact Q the token was drawn from: over the kept clusters' tokens only (0 elsewhere).
+            probs.append(q if cands is None else (cands, q))
+        return token, confidence
 
     @torch.inference_mode()
     def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
@@ -165,25 +218,17 @@ class MTPDrafter(Drafter):
         for _ in range(k):
             z, state = self.net.step(self.target.embed(token[:, None]), state, contexts)
             copies = self.round_copies.copies(token.device) if gated else None
-            logits, cands = self.logits(z[:, 0], state[:, 0], copies)
-            q = None
-            if not sampling.greedy or self.min_confidence > 0 or copy:
-                q = probabilities(logits, GREEDY_CONFIDENCE if sampling.greedy else sampling)
-            pick = logits.argmax(-1) if sampling.greedy else sample(q, generator)
-            current, token = token, pick if cands is None else cands.gather(1, pick[:, None]).squeeze(1)
-            if copy:
-                unsure = drafting & (q.gather(1, pick[:, None]).squeeze(1) < self.copy_below)
-                if bool(unsure.any()):
-                    token = copy_unsure(inp, tokens, current, token, unsure)
-            if not sampling.greedy:
-                # The exact Q the token was drawn from: over the kept clusters' tokens only (0 elsewhere).
-                probs.append(q if cands is None else (cands, q))
+            picked = self.greedy_pick(z[:, 0], state[:, 0], copies) if sampling.greedy and not copy else None
+            if picked is None:
+                picked = self._pick(inp, tokens, token, z[:, 0], state[:, 0], copies, sampling, generator,
+                                    drafting, probs, copy)
+            token, confidence = picked
             tokens.append(token)
             if gated:  # the draft is the next step's current token
                 self.round_copies.extend(token)
             num_valid += drafting
             if self.min_confidence > 0:
-                drafting &= q.gather(1, pick[:, None]).squeeze(1) >= self.min_confidence
+                drafting &= confidence >= self.min_confidence
                 if not bool(drafting.any()):
                     break
         return Draft(torch.stack(tokens, 1), num_valid, stack_probs(probs, vocab))

@@ -41,13 +41,18 @@ class ClusteredHead(nn.Module):
         # F.embedding (index_select) rather than advanced indexing: ~20x faster gathers on CPU.
         return F.embedding(top, self.clusters()).flatten(1)
 
-    def token_slots(self) -> tuple[list[int], list[int]]:
-        """Host lists over token ids: each token's cluster and its place in the cluster (a token's
-        column among the candidates is rank of its cluster * V/C + place)."""
+    def slot_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int32 [V] tensors on the host: each token's cluster and its place in the cluster."""
         order = self.token_ordering.cpu()
         where = torch.empty_like(order)
         where[order] = torch.arange(len(order))
-        return (where // self.cluster_size).tolist(), (where % self.cluster_size).tolist()
+        return (where // self.cluster_size).to(torch.int32), (where % self.cluster_size).to(torch.int32)
+
+    def token_slots(self) -> tuple[list[int], list[int]]:
+        """Host lists over token ids: each token's cluster and its place in the cluster (a token's
+        column among the candidates is rank of its cluster * V/C + place)."""
+        cluster_of, place = self.slot_tensors()
+        return cluster_of.tolist(), place.tolist()
 
 
 def score(vectors: torch.Tensor, table: torch.Tensor, candidates: torch.Tensor | None, chunk: int = 32) -> torch.Tensor:

@@ -94,6 +94,7 @@ def test_drafter_matches_transformers_assistant(target, clustered, tmp_path_fact
         return logits, cands
 
     drafter.logits = recording_head
+    drafter.greedy_pick = lambda *a: None  # picks in C what `logits` picks (test_mtp_internals.py)
     token = ids[:, p + 1]
     draft = drafter.propose(DraftInput(token, hidden[:, p], torch.full((2,), p), cache,
                                        torch.zeros(2, 24, dtype=torch.long), torch.ones(2, dtype=torch.bool)),

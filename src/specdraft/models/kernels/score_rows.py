@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdraft.models.kernels.build import library
+from specdraft.models.kernels.decoder_layer import pointer
 
 
 def score_rows(vectors: torch.Tensor, table: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
@@ -43,7 +44,3 @@ def draft_head(vectors: torch.Tensor, table: torch.Tensor, centroid_scores: torc
                          place.data_ptr(), pointer(copies), pointer(bonus), logits.data_ptr(), cands.data_ptr(),
                          top.data_ptr(), pointer(token), pointer(prob), n, d, torch.get_num_threads())
     return (logits, cands, token, prob) if pick else (logits, cands)
-
-
-def pointer(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()

@@ -214,6 +214,17 @@ def test_init_from_keeps_the_drafters_shape(capsys, smollm2_like, tmp_path, no_g
     assert code == 2 and err.strip().endswith("data generation reached") and "hidden 48" in err, err
 
 
+def test_init_from_with_more_layers_deepens_the_drafter(capsys, smollm2_like, tmp_path, no_generation):
+    rt = Runtime.load(str(smollm2_like), "float32", "cpu", progress=False)
+    folder = tmp_path / "trained"
+    save_network(init_network(_drafter_config(rt, train_args(smollm2_like, tmp_path), 4), rt.model), folder)
+    line = one_line(*run_train(capsys, smollm2_like, tmp_path, "--init-from", str(folder), "--layers", "1"))
+    assert "--layers 1 differs from the drafter given to --init-from" in line and "(--layers 2)" in line, line
+    code, err = run_train(capsys, smollm2_like, tmp_path, "--init-from", str(folder), "--layers", "3")
+    assert code == 2 and err.strip().endswith("data generation reached"), err
+    assert "3 layers (full_attention, full_attention, full_attention)" in err, err
+
+
 def test_init_drafter_derives_heads_too(capsys, smollm2_like, tmp_path):
     assert main(["init-drafter", "--model", str(smollm2_like), "--dtype", "float32", "--device", "cpu",
                  "--out", str(tmp_path / "d"), "--hidden", "32"]) == 0

@@ -19,7 +19,7 @@ from specdraft.training.data import DataConfig, build_dataset, load_sequences
 from specdraft.training.prompts import EvalGuard, load_prompt_set
 from specdraft.training.evaluate import replay_greedy_decoding
 from specdraft.training.labels import label_head, topk_log_probs
-from specdraft.training.trainer import TrainConfig, Trainer
+from specdraft.training.trainer import NEW_BLOCK_LR_SCALE, TrainConfig, Trainer
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
 
@@ -479,3 +479,33 @@ def test_a_copy_gate_added_to_a_trained_drafter_starts_closed_and_learns_to_copy
     # trained as long, drafts better.
     assert (more.net.copy_gate.proj.bias > 0.1).all(), more.net.copy_gate.proj.bias
     assert results[True] > results[False], results
+
+
+def test_a_deepened_drafter_starts_as_the_trained_one_and_opens_its_new_blocks(tiny_target, tiny_data, tmp_path):
+    from specdraft.training.grow import grown_config
+
+    first = make_trainer(tiny_target, tmp_path / "a", tiny_data, small_config(steps=20))
+    first.train()
+    save_network(first.net, tmp_path / "trained")
+    cfg = grown_config(first.net.config, 4, tiny_target.model.config.layer_types)
+    assert cfg.layer_types == ["sliding_attention"] * 2 + first.net.config.layer_types
+    deeper = Trainer(tiny_target, tmp_path / "b", small_config(steps=30), cfg, *tiny_data, log=lambda m: None,
+                     init_from=tmp_path / "trained")
+    trained = first.net.state_dict()
+    for i in range(2):  # the trained blocks, moved back by two
+        for name, t in first.net.model.layers[i].state_dict().items():
+            assert torch.equal(deeper.net.model.layers[i + 2].state_dict()[name], t), name
+    assert torch.equal(deeper.net.pre_projection.weight, trained["pre_projection.weight"])
+    before = first.evaluate()
+    assert deeper.evaluate()["tau"] == pytest.approx(before["tau"], abs=1e-6)  # identity blocks in front
+    deeper.train()
+    new = deeper.net.model.layers[0]
+    assert new.post_attention_layernorm.weight.abs().max() > 0 and new.self_attn.o_proj.weight.grad is not None
+    scale = {id(p): g["lr_scale"] for g in deeper.opt.param_groups for p in g["params"]}
+    assert scale[id(new.self_attn.q_proj.weight)] == NEW_BLOCK_LR_SCALE
+    assert scale[id(deeper.net.model.layers[2].self_attn.q_proj.weight)] == 1.0
+    deeper.save_checkpoint()  # a resumed run keeps the new blocks' rate
+    resumed = Trainer(tiny_target, tmp_path / "b", small_config(steps=30), cfg, *tiny_data, log=lambda m: None)
+    assert resumed.new_blocks == 2 and resumed.step == deeper.step
+    with pytest.raises(SpecdraftError, match="can be deepened, not cut"):
+        grown_config(cfg, 3, tiny_target.model.config.layer_types)

@@ -24,7 +24,9 @@ def _add_shape_args(p) -> None:
     # supported target gets a drafter that fits it; on Gemma 3 270M they are the shipped drafter's.
     p.add_argument("--hidden", type=int, default=None, help="drafter hidden size h (default 384)")
     p.add_argument("--layers", type=int, default=None,
-                   help="drafter layers (default 2: sliding then full; all full on targets without sliding layers)")
+                   help="drafter layers (default 2: sliding then full; all full on targets without sliding layers); "
+                        "with --init-from, more than that drafter's layers deepens it: the new blocks go "
+                        "in front, starting as the identity")
     p.add_argument("--heads", type=int, default=None,
                    help="drafter attention heads, a multiple of the target's KV heads (default: the smallest such "
                         "multiple >= 4, e.g. 4 for Gemma 3 270M, 6 for SmolLM2's 3 KV heads)")
@@ -293,7 +295,9 @@ def _resumed_config(rt, args, folder: Path | None = None, what: str = "the check
                              "or choose another --out")
     for name, value in saved.items():
         given = getattr(args, name)
-        if given is not None and given != value and not (name == "top_k_clusters" and not cfg.clustered):
+        deepened = name == "layers" and folder is not None and given is not None and given > value  # grow.py
+        if given is not None and given != value and not deepened and not (name == "top_k_clusters"
+                                                                           and not cfg.clustered):
             flag = "--" + name.replace("_", "-")
             hint = "to resume, or choose another --out" if folder is None else "to continue that drafter"
             raise SpecdraftError(f"{flag} {given} differs from {what} in {ckpt} ({flag} {value}); drop it {hint}")
@@ -322,8 +326,10 @@ def _describe(cfg) -> str:
 
 
 def run_train(args) -> int:
+    from specdraft.drafters.mtp.checkpoint import kv_sources
     from specdraft.training.corpus import CorpusConfig, build_corpus_dataset
     from specdraft.training.data import DataConfig, build_dataset, load_sequences
+    from specdraft.training.grow import grown_config
     from specdraft.training.prompts import load_prompt_set
     from specdraft.training.trainer import TrainConfig, Trainer, init_distributed
 
@@ -344,6 +350,9 @@ def run_train(args) -> int:
     elif init_from is not None:
         drafter_cfg = _resumed_config(rt, args, init_from, "the drafter given to --init-from")
         drafter_cfg.copy_gate |= args.copy_gate
+        if args.layers is not None and args.layers > drafter_cfg.num_layers:
+            drafter_cfg = grown_config(drafter_cfg, args.layers, rt.model.config.layer_types)
+            kv_sources(drafter_cfg, rt.model)
     else:
         drafter_cfg = _drafter_config(rt, args, args.draft_tokens)
     prompts = load_prompt_set(args.prompts, args.exclude_eval, held_out_fraction=0.05)

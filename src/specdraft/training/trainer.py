@@ -31,6 +31,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.training.clustering import balanced_clusters, cluster_of
 from specdraft.training.data import Sequence
 from specdraft.training.evaluate import teacher_forced_acceptance
+from specdraft.training.grow import PREFIX, close_new_blocks, grown_state
 from specdraft.training.objective import UnrolledLoss, collate, make_head_space, to_device
 
 
@@ -62,6 +63,10 @@ class TrainConfig:
 # rate per step, and the gate's bonuses are logits of a few units that a continued drafter (lr
 # 3e-4, a few hundred steps) would otherwise move by a tenth at most.
 GATE_LR_SCALE = 30.0
+# Blocks put in front of a trained drafter (grow.py) start closed, at post-norm scales of zero; at
+# a continued drafter's small rate (2e-4) Adam would move those scales ~0.1 in 500 steps, so the
+# new blocks learn at the rate a drafter is trained from scratch with.
+NEW_BLOCK_LR_SCALE = 5.0
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -118,15 +123,11 @@ class Trainer:
         self.kv_heads = {s.slot: s.num_kv_heads for s in self.sources}
         shortlist = self._shortlist(resume)
         self.init_from = init_from
+        # How many blocks in front are new (a deepened drafter, grow.py); kept in the checkpoint.
+        self.new_blocks = json.loads((self.ckpt / "state.json").read_text()).get("new_blocks", 0) if resume else 0
         self.net = self._build(drafter_cfg, resume, shortlist).to(self.device)
         self.space = self._head_space(shortlist)
-        body = [(n, p) for n, p in self.net.named_parameters() if not n.startswith("copy_gate.")]
-        gate = [p for n, p in self.net.named_parameters() if n.startswith("copy_gate.")]
-        groups = [{"params": [p for _, p in body if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-                  {"params": [p for _, p in body if p.dim() < 2], "weight_decay": 0.0}]
-        if gate:  # a few bonus logits, learnt at a larger rate (see GATE_LR_SCALE)
-            groups.append({"params": gate, "weight_decay": 0.0, "lr_scale": GATE_LR_SCALE})
-        self.opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+        self.opt = torch.optim.AdamW(self._param_groups(), lr=cfg.lr, betas=(0.9, 0.95))
         self.step = 0
         self.history: list[dict] = []
         if resume:
@@ -153,16 +154,37 @@ class Trainer:
         elif self.init_from is not None:
             # Continue a trained drafter (its clusters included) on new data.
             trained, _ = load_network(self.init_from, self.target, torch.float32, "cpu")
-            missing, unexpected = net.load_state_dict(trained.state_dict(), strict=False)
-            # Only a copy gate may be new (it starts closed: the continued drafter's own outputs).
+            added = cfg.num_layers - trained.config.num_layers  # > 0: deepened (grow.py)
+            missing, unexpected = net.load_state_dict(grown_state(trained.state_dict(), added), strict=False)
+            missing = [k for k in missing if not any(k.startswith(f"{PREFIX}{i}.") for i in range(added))]
+            # Only a copy gate and blocks put in front may be new (both start closed: the continued
+            # drafter's own outputs).
             if unexpected or any(not k.startswith("copy_gate.") for k in missing):
                 raise SpecdraftError(f"{self.init_from}: weights do not fit this drafter "
                                      f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+            close_new_blocks(net, added)
+            self.new_blocks = added
         elif net.masked_embedding is not None:
             table = self.target.head_weight.detach().cpu().float()
             net.masked_embedding.token_ordering.copy_(balanced_clusters(table, cfg.num_centroids, hot=shortlist,
                                                                          progress=self.rank == 0))
         return net.float()
+
+    def _param_groups(self) -> list[dict]:
+        """Weight decay on matrices only; the copy gate (GATE_LR_SCALE) and new blocks in front
+        (NEW_BLOCK_LR_SCALE) learn at larger rates."""
+        new = tuple(f"{PREFIX}{i}." for i in range(self.new_blocks))
+        kinds = {"body": [], "gate": [], "new": []}
+        for name, p in self.net.named_parameters():
+            kind = "gate" if name.startswith("copy_gate.") else "new" if new and name.startswith(new) else "body"
+            kinds[kind].append(p)
+        groups = []
+        for kind, scale in (("body", 1.0), ("new", NEW_BLOCK_LR_SCALE)):
+            groups += [{"params": [p for p in kinds[kind] if p.dim() >= 2], "weight_decay": self.cfg.weight_decay,
+                        "lr_scale": scale},
+                       {"params": [p for p in kinds[kind] if p.dim() < 2], "weight_decay": 0.0, "lr_scale": scale}]
+        groups.append({"params": kinds["gate"], "weight_decay": 0.0, "lr_scale": GATE_LR_SCALE})
+        return [g for g in groups if g["params"]]
 
     def _head_space(self, shortlist: torch.Tensor):
         clusters = None
@@ -189,7 +211,8 @@ class Trainer:
         save_file(moments, str(tmp / "optimizer.safetensors"))
         save_file({"shortlist": self.space.shortlist}, str(tmp / "shortlist.safetensors"))
         (tmp / "state.json").write_text(json.dumps({"step": self.step, "history": self.history,
-                                                    "train_config": asdict(self.cfg)}, indent=1))
+                                                    "train_config": asdict(self.cfg),
+                                                    "new_blocks": self.new_blocks}, indent=1))
         if self.ckpt.exists():
             for f in self.ckpt.iterdir():
                 f.unlink()

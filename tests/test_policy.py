@@ -432,3 +432,17 @@ def test_engine_reports_chances_only_when_sampling(llama_tiny, temperature):
             assert chances is None
         else:
             assert len(chances) >= drafted and all(0.0 <= c <= 1.0 for c in chances[:drafted])
+
+
+def test_a_drafter_keeping_other_clusters_is_profiled_apart(gemma_tiny, tmp_path):
+    """A clustered head's draft step reads the rows of the clusters it keeps: the same weights
+    with another top-k (a config edit) must not reuse the old step time."""
+    from specdraft.speculative.policy import drafter_key
+
+    target, keys = gemma_tiny.ours, set()
+    for top_k in (2, 4):
+        cfg = drafter_config_for(target, hidden=32, layers=2, heads=4, head="target", clustered=True,
+                                 num_centroids=16, top_k_clusters=top_k)
+        save_network(init_network(cfg, target, seed=3), tmp_path / f"d{top_k}")
+        keys.add(drafter_key(MTPWithLookup(load_mtp_drafter(tmp_path / f"d{top_k}", target, torch.float32, "cpu"))))
+    assert len(keys) == 2 and all(k.endswith((":top2", ":top4")) for k in keys), keys

@@ -323,7 +323,9 @@ def costs_dir() -> Path:
 
 def drafter_key(drafter: Drafter) -> str:
     inner = getattr(drafter, "mtp", drafter)  # mtp+ngram: lookups are free, the MTP steps cost
-    return f"{type(inner).__name__}:{inner.kind}:{inner.nbytes()}"
+    net = getattr(inner, "net", None)  # a clustered head's step reads the rows of the clusters it keeps
+    kept = f":top{net.config.top_k_clusters}" if net is not None and net.config.clustered else ""
+    return f"{type(inner).__name__}:{inner.kind}:{inner.nbytes()}{kept}"
 
 
 def row_buckets(rows: int) -> list[int]:

@@ -446,3 +446,24 @@ def test_a_drafter_keeping_other_clusters_is_profiled_apart(gemma_tiny, tmp_path
         save_network(init_network(cfg, target, seed=3), tmp_path / f"d{top_k}")
         keys.add(drafter_key(MTPWithLookup(load_mtp_drafter(tmp_path / f"d{top_k}", target, torch.float32, "cpu"))))
     assert len(keys) == 2 and all(k.endswith((":top2", ":top4")) for k in keys), keys
+
+
+def test_profile_cells_are_timed_in_turns_and_the_fastest_counts(monkeypatch):
+    """A slow stretch of the machine must land on every width alike: the cells are called in
+    turns (a, b, a, b, ...), not one after another, and each keeps its fastest call."""
+    from specdraft.speculative import policy
+
+    clock, order = [0.0], []
+    slow = {("a", 0): 5.0, ("b", 1): 5.0}  # one slow call each, at different turns
+
+    def call(key):
+        def fn():
+            turn = sum(1 for k in order if k == key)
+            order.append(key)
+            clock[0] += slow.get((key, turn), 1.0 if key == "a" else 2.0)
+        return fn
+
+    monkeypatch.setattr(policy.time, "perf_counter", lambda: clock[0])
+    best = policy._fastest_each({"a": call("a"), "b": call("b")}, torch.device("cpu"), repeats=3)
+    assert order == ["a", "b"] * 3
+    assert best == {"a": 1.0, "b": 2.0}

@@ -60,7 +60,11 @@ MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (est
 # predicted gain and ran 0.94x plain (BENCHMARKS.md).
 BATCH_MARGIN = 0.10
 PROFILE_CONTEXT = 128  # cached tokens in the scratch cache the costs are timed over
-PROFILE_REPEATS = 2  # timed calls per cell; the fastest counts (other processes only add time)
+# Timed calls per cell, taken in turns across the cells (every width once, then again...); the
+# fastest counts (other processes only add time). Timed one cell after another, a few seconds of
+# a slower machine landed on some widths only: a verify of 4 read 1.52x a plain step where it
+# costs ~1.2x, and `auto` drafted shorter lookups for a whole 480-question run (BENCHMARKS.md).
+PROFILE_REPEATS = 4
 DRAFT_PROFILE_REPEATS = 6  # the same for drafting rounds (short, so noisier)
 
 
@@ -478,14 +482,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _fastest(fn, device: torch.device, repeats: int = PROFILE_REPEATS) -> float:
-    best = float("inf")
+def _fastest_each(calls: dict, device: torch.device, repeats: int = PROFILE_REPEATS) -> dict:
+    """{key: the fastest of `repeats` timed calls}, the calls taken in turns, so that a slow
+    stretch of the machine lands on every key alike instead of on a few."""
+    best = {key: float("inf") for key in calls}
     for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - t0)
+        for key, fn in calls.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            best[key] = min(best[key], time.perf_counter() - t0)
     return best
 
 
@@ -513,17 +520,18 @@ def _scratch(model: torch.nn.Module, rows: int, top: int):
 def _time_target(model: torch.nn.Module, cache, widths: list[int]) -> dict[int, float]:
     """Seconds of one forward of w tokens per row (the head is timed apart: _time_head)."""
     dev, start = model.embed_tokens.weight.device, list(cache.host_lengths)
-    out = {}
+    calls = {}
     for w in widths:
         tokens = profile_tokens(model.config.vocab_size, cache.batch_size, max(start) + w, seed=0)
         tokens = tokens[:, -w:].to(dev)  # the phrase's continuation: what a draft that is right would be
 
-        def forward() -> None:
+        def forward(tokens=tokens) -> None:
             cache.rollback(start)
             model(tokens, cache)
 
         forward()  # warm-up: first-call allocations and any compilation stay out of the timing
-        out[w] = _fastest(forward, dev)
+        calls[w] = forward
+    out = _fastest_each(calls, dev)
     cache.rollback(start)
     return out
 
@@ -550,12 +558,12 @@ def first_rows(rows: torch.Tensor, m: int) -> torch.Tensor:
 def _time_head(model: torch.nn.Module, states: torch.Tensor, sizes: list[int]) -> dict[int, float]:
     """Seconds of model.greedy_tokens over m hidden rows of profile text, for each m in `sizes`:
     the rows it is surest about (by_confidence)."""
-    dev, out, ranked = states.device, {}, by_confidence(model, states)
+    dev, calls, ranked = states.device, {}, by_confidence(model, states)
     for m in sizes:
         rows = first_rows(ranked, m)
         model.greedy_tokens(rows)  # warm-up
-        out[m] = _fastest(lambda: model.greedy_tokens(rows), dev)
-    return out
+        calls[m] = lambda rows=rows: model.greedy_tokens(rows)
+    return _fastest_each(calls, dev)
 
 
 def _time_drafter(drafter: Drafter, cache, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> list[float]:
@@ -579,8 +587,9 @@ def _time_drafter(drafter: Drafter, cache, hidden: torch.Tensor, tokens: torch.T
         inner.propose(inp, steps, greedy, None)  # warm-up
         # more repeats than a target forward gets: a round is a few ms, and with 2 a draft step of
         # ~2 ms once read 5.6 ms, which kept `auto` from drafting (BENCHMARKS.md)
-        one = _fastest(lambda: inner.propose(inp, 1, greedy, None), dev, DRAFT_PROFILE_REPEATS)
-        many = _fastest(lambda: inner.propose(inp, steps, greedy, None), dev, DRAFT_PROFILE_REPEATS)
+        timed = _fastest_each({1: lambda: inner.propose(inp, 1, greedy, None),
+                               steps: lambda: inner.propose(inp, steps, greedy, None)}, dev, DRAFT_PROFILE_REPEATS)
+        one, many = timed[1], timed[steps]
     finally:
         if stop is not None:
             inner.min_confidence = stop

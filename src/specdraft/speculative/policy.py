@@ -62,8 +62,8 @@ BATCH_MARGIN = 0.10
 PROFILE_CONTEXT = 128  # cached tokens in the scratch cache the costs are timed over
 # Timed calls per cell, taken in turns across the cells (every width once, then again...); the
 # fastest counts (other processes only add time). Timed one cell after another, a few seconds of
-# a slower machine landed on some widths only: a verify of 4 read 1.52x a plain step where it
-# costs ~1.2x, and `auto` drafted shorter lookups for a whole 480-question run (BENCHMARKS.md).
+# a slower machine landed on some widths only: a table once read a verify of 4 at 1.52x a plain
+# step where it costs ~1.2x, and a table is trusted until the code changes (BENCHMARKS.md).
 PROFILE_REPEATS = 4
 DRAFT_PROFILE_REPEATS = 6  # the same for drafting rounds (short, so noisier)
 

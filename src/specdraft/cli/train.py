@@ -300,6 +300,8 @@ def _resumed_config(rt, args, folder: Path | None = None, what: str = "the check
                                                                            and not cfg.clustered):
             flag = "--" + name.replace("_", "-")
             hint = "to resume, or choose another --out" if folder is None else "to continue that drafter"
+            if name == "layers" and folder is not None:
+                hint += f", or give more than {value} to deepen it"
             raise SpecdraftError(f"{flag} {given} differs from {what} in {ckpt} ({flag} {value}); drop it {hint}")
     return cfg
 

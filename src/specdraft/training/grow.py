@@ -30,6 +30,11 @@ def grown_config(cfg: MTPConfig, layers: int, target_layer_types: list[str]) -> 
     return dataclasses.replace(cfg, layer_types=[new_type] * (layers - cfg.num_layers) + list(cfg.layer_types))
 
 
+def front_blocks(count: int) -> tuple[str, ...]:
+    """Name prefixes of the first `count` blocks' tensors (the new ones of a deepened drafter)."""
+    return tuple(f"{PREFIX}{i}." for i in range(count))
+
+
 def grown_state(state: dict[str, torch.Tensor], added: int) -> dict[str, torch.Tensor]:
     """The trained drafter's tensors renamed for a drafter with `added` blocks in front."""
     out = {}

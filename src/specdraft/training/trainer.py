@@ -31,7 +31,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.training.clustering import balanced_clusters, cluster_of
 from specdraft.training.data import Sequence
 from specdraft.training.evaluate import teacher_forced_acceptance
-from specdraft.training.grow import PREFIX, close_new_blocks, grown_state
+from specdraft.training.grow import close_new_blocks, front_blocks, grown_state
 from specdraft.training.objective import UnrolledLoss, collate, make_head_space, to_device
 
 
@@ -156,7 +156,7 @@ class Trainer:
             trained, _ = load_network(self.init_from, self.target, torch.float32, "cpu")
             added = cfg.num_layers - trained.config.num_layers  # > 0: deepened (grow.py)
             missing, unexpected = net.load_state_dict(grown_state(trained.state_dict(), added), strict=False)
-            missing = [k for k in missing if not any(k.startswith(f"{PREFIX}{i}.") for i in range(added))]
+            missing = [k for k in missing if not (added and k.startswith(front_blocks(added)))]
             # Only a copy gate and blocks put in front may be new (both start closed: the continued
             # drafter's own outputs).
             if unexpected or any(not k.startswith("copy_gate.") for k in missing):
@@ -173,7 +173,7 @@ class Trainer:
     def _param_groups(self) -> list[dict]:
         """Weight decay on matrices only; the copy gate (GATE_LR_SCALE) and new blocks in front
         (NEW_BLOCK_LR_SCALE) learn at larger rates."""
-        new = tuple(f"{PREFIX}{i}." for i in range(self.new_blocks))
+        new = front_blocks(self.new_blocks)
         kinds = {"body": [], "gate": [], "new": []}
         for name, p in self.net.named_parameters():
             kind = "gate" if name.startswith("copy_gate.") else "new" if new and name.startswith(new) else "body"

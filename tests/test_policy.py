@@ -8,6 +8,7 @@ engine with the adaptive policy emits exactly plain greedy decoding's tokens.
 from __future__ import annotations
 
 import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -154,6 +155,27 @@ def test_new_requests_start_from_what_the_engine_has_seen():
     fresh = p.new_row("mtp")
     assert p.choose([fresh]) == 0
     assert p.prior["mtp"] == 0.6  # plain rounds still relax towards the prior: probing goes on
+
+
+def test_a_prior_per_position_reaches_past_where_a_flat_one_stops():
+    """A second block of verified positions costs extra (the head's blockwise pass): with 0.8 at
+    every lookup position the policy asks 3 drafts and so never sees whether later ones hold; with
+    the per-position prior (copies that started right tend to go on) it asks the full width, and
+    its estimates then learn from what the later positions do."""
+    costs = FakeCosts(lambda n, w: 1.0 + 0.05 * (w - 1) + (0.6 if w > 4 else 0.0))
+    flat = policy_for(costs, k=3, width=7, prior={"mtp": 0.6, "lookup": 0.8})
+    assert flat.choose([flat.new_row("lookup")]) == 3
+    rising = policy_for(costs, k=3, width=7, prior={"mtp": 0.6, "lookup": (0.8, 0.9, 0.9, 0.95)})
+    row = rising.new_row("lookup")
+    assert row.next_source == "lookup" and rising.choose([row]) == 7
+    rates = [0.8, 0.9, 0.9, 0.95, 0.95, 0.95, 0.95]
+    assert rising.expected_tokens(row)[7] == pytest.approx(1 + sum(math.prod(rates[: j + 1]) for j in range(7)))
+    for _ in range(20):
+        rising.observe(row, "lookup", 7, 3)  # the 4th draft keeps failing
+    assert rising.choose([row]) == 3
+    for _ in range(2000):  # plain rounds: back towards each position's own prior
+        rising.observe(row, None, 0, 0)
+    assert row.rates["lookup"] == pytest.approx([0.8, 0.9, 0.9, 0.95, 0.95, 0.95, 0.95], abs=1e-6)
 
 
 def test_a_lookup_without_match_counts_as_a_miss():

@@ -131,3 +131,60 @@ def test_gguf_q8_is_refused_clearly_without_vnni(tmp_path: Path, monkeypatch) ->
         Runtime.load(str(path), dtype="float32", weights="gguf-q8", progress=False)
     with pytest.raises(SpecdraftError, match="float32"):
         Runtime.load(str(path), dtype="bfloat16", weights="gguf-q8", progress=False)
+
+
+def test_int8_blocks_round_each_weight_to_the_nearest_code() -> None:
+    from specdraft.models.q8_act_linear import int8_blocks
+
+    w = torch.randn(16, 96, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 2.0, 96)
+    w[3, 32:64] = 0.0  # an all-zero group: scale 0, codes 0
+    blocks = int8_blocks(w)
+    assert blocks.codes.dtype == torch.int8 and blocks.codes.abs().max() == 127 and blocks.offsets is None
+    assert blocks.scales.shape == (16, 3) and blocks.scales[3, 1] == 0
+    step = blocks.scales.repeat_interleave(32, dim=1)
+    assert ((blocks.dequantized() - w).abs() <= step / 2 * (1 + 1e-6)).all()
+    assert Q8ActLinear.takes(blocks)
+
+
+@vnni
+def test_an_mtp_drafter_next_to_gguf_q8_reads_int8_weights_and_speculation_is_exact(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """Next to --weights gguf-q8 the drafter's linears are int8 blocks too (a draft step reads
+    ~half of fp16's bytes); its steps stay near the float32 drafter's, and output equals plain."""
+    from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, load_network, save_network
+    from specdraft.drafters.mtp.drafter import layer_contexts
+    from specdraft.runtime import Runtime
+    from specdraft.speculative.engine import Engine
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    rt = Runtime.load(str(write_quantised_gguf(tmp_path / "tiny.gguf", "Q8_0")), dtype="float32", weights="gguf-q8",
+                      progress=False)
+    model = rt.model
+    cfg = drafter_config_for(model, hidden=64, layers=2, head="target", clustered=True, num_centroids=16,
+                             top_k_clusters=4)
+    save_network(init_network(cfg, model, seed=3, std=0.2), tmp_path / "d")
+    drafter = load_mtp_drafter(tmp_path / "d", model, torch.float32, "cpu")
+    int8 = [n for n, m in drafter.net.named_modules() if type(m) is Q8ActLinear]
+    assert {"pre_projection", "post_projection", "masked_embedding.centroids",
+            "model.layers.0.mlp.gate_up_proj", "model.layers.1.self_attn.q_proj"} <= set(int8)
+    float32_net, _ = load_network(tmp_path / "d", model, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    h = model.config.hidden_size
+    embeds, state = torch.randn(2, 1, h, generator=gen), torch.randn(2, 1, h, generator=gen)
+    with torch.inference_mode():
+        cache = model.new_cache(2, 8)
+        model(torch.randint(0, model.config.vocab_size, (2, 6), generator=gen), cache)
+        contexts = layer_contexts(drafter.sources, cache.k, cache.v, torch.full((2, 1), 5), torch.float32)
+        z8, s8 = drafter.net.step(embeds, state, contexts)
+        z32, s32 = float32_net.step(embeds, state, contexts)
+    # int8 weights and rows through two blocks: a few percent of the outputs' spread, not more
+    assert 0 < (s8 - s32).abs().max().item() < 0.1 * s32.std().item()
+    assert (z8 - z32).abs().max().item() < 0.1 * z32.std().item()
+    prompts = repetitive_prompts(model.config.vocab_size, 3)
+    plain = Engine(model).generate(prompts, 16, eos_token_ids=[])
+    for batch in (1, 3):
+        spec = []
+        for start in range(0, len(prompts), batch):
+            spec += Engine(model, drafter=drafter, draft_tokens=3).generate(prompts[start:start + batch], 16,
+                                                                             eos_token_ids=[])
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]

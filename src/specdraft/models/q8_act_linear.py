@@ -72,6 +72,17 @@ def q8_act_mm(rows: torch.Tensor, codes: torch.Tensor, nibbles: bool, base: int,
     return out
 
 
+def int8_blocks(weight: torch.Tensor, group: int = ACT_GROUP) -> Blocks:
+    """Float weights [N, K] -> symmetric int8 codes with one float32 scale per `group` inputs
+    (GGUF's Q8_0 layout): what Q8ActLinear reads, ~1.1 bytes a weight against fp16's 2."""
+    w = weight.detach().float()
+    n, k = w.shape
+    grouped = w.view(n, k // group, group)
+    scales = grouped.abs().amax(-1) / 127
+    codes = torch.round(grouped / scales.clamp(min=torch.finfo(torch.float32).tiny)[..., None])
+    return Blocks(codes.to(torch.int8).view(n, k), scales, None, group)
+
+
 class Q8ActLinear(nn.Module):
     """y = x W^T + b with W kept as GGUF blocks and x rounded to int8 per 32 inputs; float32 in and out."""
 

@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from specdraft.config import FULL, SLIDING
 from specdraft.drafters.mtp.config import MTPConfig
 from specdraft.drafters.mtp.drafter import MTPDrafter
-from specdraft.drafters.mtp.network import MTPNetwork, fp16_like_target
+from specdraft.drafters.mtp.network import MTPNetwork, kernels_like_target
 from specdraft.errors import SpecdraftError
 from specdraft.drafters.mtp.source import kv_source
 from specdraft.models.target import AttentionLayout
@@ -88,7 +88,7 @@ def load_mtp_drafter(folder: Path, target: torch.nn.Module, dtype: torch.dtype, 
     if not folder.is_dir():
         raise SpecdraftError(f"drafter path {folder} is not a folder")
     net, sources = load_network(folder, target, dtype, device)
-    fp16_like_target(net, target)
+    kernels_like_target(net, target)
     return MTPDrafter(net, target, sources)
 
 

@@ -33,6 +33,7 @@ from specdraft.models.kernels.decoder_layer import (LayerStep, LayerWeights, dec
 from specdraft.models.kernels.fp16_gemv import takes as fp16_tiles_take
 from specdraft.models.kernels.gated_act import KINDS
 from specdraft.models.layers import GatedMLP, RMSNorm, attend
+from specdraft.models.q8_act_linear import ACT_GROUP, Q8ActLinear, int8_blocks
 from specdraft.models.quant import Fp16Linear
 from specdraft.models.rope import apply_rope
 
@@ -97,7 +98,7 @@ class DrafterBlock(nn.Module):
 
     def _fused_weights(self, x: torch.Tensor, ctx: LayerContext) -> LayerWeights | None:
         """The block's weights for decoder_layer.c (query-only attention, nothing written) when this
-        step can take it: inference in float32 on the CPU, fp16 tiles (fp16_like_target). Kept
+        step can take it: inference in float32 on the CPU, the kernels' weights (kernels_like_target). Kept
         until a projection, a norm's weight, the scalar or the context's shape changes."""
         if x.shape[1] > SHORT_FORWARD or not kernels_apply(x):
             return None
@@ -192,18 +193,31 @@ class MTPNetwork(nn.Module):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def fp16_like_target(net: MTPNetwork, target: nn.Module) -> bool:
-    """For inference next to a target whose linears run on the C kernels (--weights fp16 or gguf):
-    the drafter's linears become fp16 tiles (half the bytes, read by the fp16 kernel; a draft step
-    is mostly its matmuls and its Python) and each MLP's gate and up one projection. Drafts may
-    round differently from the float32 drafter's; what is emitted is still the target's. True
-    if it did."""
+def kernels_like_target(net: MTPNetwork, target: nn.Module) -> str | None:
+    """For inference next to a target whose linears run on the C kernels, the drafter's linears
+    take the same path, and each MLP's gate and up become one projection:
+
+    - next to --weights gguf-q8 (int8 activations on AVX-512 VNNI): int8 codes per 32 inputs
+      (Q8ActLinear), ~1.1 bytes a weight. A draft step reads all of the drafter's linears (13 MB
+      as fp16 for the shipped drafter, 7 MB as int8), mostly evicted by the target's forward in
+      between: a drafting round took 2.66 ms against 2.80 ms with fp16 tiles in real decoding,
+      at the same acceptance (BENCHMARKS.md, twenty-third session);
+    - next to --weights fp16 or gguf: fp16 tiles, half of float32's bytes.
+
+    Drafts may round differently from the float32 drafter's; what is emitted is still the
+    target's. Returns "int8", "fp16", or None where nothing changed."""
     if not kernels.available() or not any(kernel_linear(m) for m in target.modules()):
-        return False
+        return None
+    int8 = any(type(m) is Q8ActLinear for m in target.modules())
     for layer in net.model.layers:
         layer.mlp.fuse_projections()
     for module in list(net.modules()):
         for name, child in list(module.named_children()):
-            if type(child) is nn.Linear and fp16_tiles_take(child.weight):
+            if type(child) is not nn.Linear:
+                continue
+            blocks = int8_blocks(child.weight) if int8 and child.in_features % ACT_GROUP == 0 else None
+            if blocks is not None and Q8ActLinear.takes(blocks):
+                setattr(module, name, Q8ActLinear(blocks, child.bias))
+            elif fp16_tiles_take(child.weight):
                 setattr(module, name, Fp16Linear(child.weight, child.bias))
-    return True
+    return "int8" if int8 else "fp16"

@@ -310,3 +310,32 @@ def test_candidate_scores_match_gather_and_matmul(dtype: torch.dtype, d: int) ->
     assert torch.equal(score_rows(vectors[1:2], table, candidates[1:2]), got[1:2])  # rows independent
     with torch.no_grad():
         assert torch.equal(score(vectors, table, candidates), got)  # inference takes the kernel
+
+
+@pytest.mark.parametrize("window", [None, 50])
+def test_long_queries_attend_in_blocks_over_only_the_keys_they_see(window, monkeypatch) -> None:
+    """A prompt's attention goes in blocks of queries, each over the keys its mask opens (causal,
+    sliding windows, ragged rows): the same values as one call over every key, fewer keys read."""
+    from specdraft.kv_cache import attention_span
+    from specdraft.models import layers
+
+    gen = torch.Generator().manual_seed(0)
+    b, h, hkv, d, cached, t = 2, 4, 2, 16, 7, 200  # 7 keys already cached, then a 200-token forward
+    lengths = torch.tensor([cached, cached - 3])  # the second row is 3 tokens behind
+    positions = lengths[:, None] + torch.arange(t)[None, :]
+    span = attention_span(positions, int(lengths.min()), cached + t, window)
+    q = torch.randn(b, h, t, d, generator=gen)
+    k, v = (torch.randn(b, hkv, span.hi - span.lo, d, generator=gen) for _ in range(2))
+    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=span.mask, scale=0.25, enable_gqa=True)
+    read = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(layers.F, "scaled_dot_product_attention",
+                        lambda q, k, *a, **kw: read.append(q.shape[2] * k.shape[2]) or real(q, k, *a, **kw))
+    got = layers.attend(q, k, v, span.mask, 0.25)
+    assert_fp32_close(got, whole, depth=span.hi - span.lo)  # a softmax and a weighted sum over the keys
+    assert len(read) == -(-t // layers.QUERY_BLOCK)
+    full = t * (span.hi - span.lo)
+    if window is None:
+        assert sum(read) < 0.7 * full  # causal: about half the keys
+    else:  # a block's queries see their window behind the block (the lagging row 3 keys more)
+        assert sum(read) <= t * (layers.QUERY_BLOCK + window + 3) < 0.6 * full

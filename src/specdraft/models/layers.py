@@ -139,10 +139,39 @@ def attend(
 ) -> torch.Tensor:
     """Attention of q [B, H, T, D] over k, v [B, Hkv, S, D] (GQA when Hkv < H); mask [B, 1, T, S] bool."""
     if softcap is None and q.shape[2] > SHORT_QUERY:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        return _attend_long(q, k, v, mask, scale)
     if kernels_apply(q) and k.dtype == v.dtype == torch.float32 and (mask is None or mask.dtype == torch.bool):
         return native_attend_short(q, k, v, mask, scale, softcap)  # one C call (models/kernels/attention.c)
     return _attend_short(q, k, v, mask, scale, softcap)
+
+
+# Prompts: queries in blocks of this many, each over only the keys some query of the block sees.
+QUERY_BLOCK = 64
+
+
+def _attend_long(q, k, v, mask, scale):
+    """The CPU flash kernel reads every key for every query and only then applies the mask, so a
+    causal prompt paid for the keys after each query too, and sliding layers for keys past their
+    window: attention was ~85% of a 700-token prompt's non-matmul time (BENCHMARKS.md,
+    twenty-third session). Blocks of queries over the key range their mask opens skip most of that:
+    Gemma 3 270M's prompt of 300 / 700 / 1500 tokens 1.13x / 1.10x / 1.42x faster, blocks of 64
+    measured against 128 and 256 (sliding layers then read ~window + 64 keys a query)."""
+    gqa = k.shape[1] != q.shape[1]
+    t, span = q.shape[2], k.shape[2]
+    if mask is None or t <= QUERY_BLOCK:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    seen = mask.any(0)[0]  # [T, S]: keys some row's query t sees
+    first = seen.int().argmax(1)  # first visible key per query (0 where none: the mask decides)
+    last = span - seen.flip(1).int().argmax(1)  # one past the last
+    starts = list(range(0, t, QUERY_BLOCK))
+    lows = torch.stack([first[a : a + QUERY_BLOCK].min() for a in starts]).tolist()
+    highs = torch.stack([last[a : a + QUERY_BLOCK].max() for a in starts]).tolist()
+    out = []
+    for a, lo, hi in zip(starts, lows, highs):
+        b = a + QUERY_BLOCK
+        out.append(F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi],
+                                                  attn_mask=mask[:, :, a:b, lo:hi], scale=scale, enable_gqa=gqa))
+    return torch.cat(out, dim=2)
 
 
 # Decode, verify and drafter queries are a handful of tokens; for those the CPU flash kernel

@@ -251,6 +251,8 @@ def test_checkpoint_round_trip(gemma_tiny, tmp_path, head, clustered) -> None:
     target = gemma_tiny.ours
     cfg = drafter_config_for(target, hidden=32, layers=2, heads=4, head=head, clustered=clustered,
                              num_centroids=16 if clustered else None, top_k_clusters=4, recommended_k=5)
+    if clustered:
+        cfg.sampling_top_k_clusters = 6
     net = init_network(cfg, target, seed=3, std=0.2)
     save_network(net, tmp_path / "d")
     loaded = load_mtp_drafter(tmp_path / "d", target, torch.float32, "cpu")
@@ -319,3 +321,12 @@ def test_corrupt_drafter_folders(gemma_tiny, tmp_path) -> None:
     (tmp_path / "d" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SpecdraftError, match="has shape .* config implies"):
         load_mtp_drafter(tmp_path / "d", gemma_tiny.ours, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("value", [0, 17, "many"])
+def test_a_bad_sampled_cluster_count_is_refused_with_its_name(gemma_tiny, value) -> None:
+    cfg = drafter_config_for(gemma_tiny.ours, hidden=32, layers=2, heads=4, clustered=True, num_centroids=16,
+                             top_k_clusters=4).to_dict()
+    cfg["specdraft"]["sampling_top_k_clusters"] = value
+    with pytest.raises(SpecdraftError, match="sampling_top_k_clusters|bad field"):
+        MTPConfig.from_dict(cfg)

@@ -202,13 +202,18 @@ def drafters(target: TinyModel, tmp_path_factory):
     gate_folder = tmp_path_factory.mktemp("mtp16-gate")
     save_network(gated, gate_folder)
     gate = load_mtp_drafter(gate_folder, target.ours, torch.float32, "cpu")
-    return {"mtp": mtp, "argmax": ArgmaxDrafter(table), "ngram": NgramDrafter(), "mtp+ngram": MTPWithLookup(mtp, min_match=1),
+    # The same network keeping 3 clusters (12 of 16 tokens) for sampled drafts, 2 for greedy ones.
+    wide_folder = tmp_path_factory.mktemp("mtp16-wide")
+    save_network(init_network(replace(cfg, sampling_top_k_clusters=3), target.ours, seed=0, std=0.3), wide_folder)
+    wide = load_mtp_drafter(wide_folder, target.ours, torch.float32, "cpu")
+    return {"mtp-wide": wide, "mtp": mtp, "argmax": ArgmaxDrafter(table), "ngram": NgramDrafter(), "mtp+ngram": MTPWithLookup(mtp, min_match=1),
             "mtp-early-stop": early, "mtp-early-stop+ngram": MTPWithLookup(early, min_match=1), "mtp-gate": gate}
 
 
 # ------------------------------------------------------------------ the tests
 
 T1 = SamplingParams(1.0)
+GREEDY = SamplingParams(0.0)
 EARLY_STOP = 0.3  # about half of this random drafter's sampled drafts are less sure than this
 FILTERED = SamplingParams(1.0, top_k=6, top_p=0.9)
 
@@ -227,6 +232,8 @@ CASES = {
     "mtp-early-stop+ngram-mixed-K3": ("mtp-early-stop+ngram", 3, T1, 80),
     # The copy gate's bonus is part of Q, copies from outside the kept clusters included.
     "mtp-copy-gate-K3": ("mtp-gate", 3, T1, 90),
+    # Sampled drafts over more clusters than greedy ones (sampling_top_k_clusters).
+    "mtp-wider-sampled-clusters-K2": ("mtp-wide", 2, T1, 100),
 }
 
 
@@ -313,6 +320,21 @@ def test_clustered_q_really_excludes_tokens(target, drafters) -> None:
     assert torch.equal(d.probs.at(d.tokens), q.gather(2, d.tokens[:, :, None]).squeeze(2))
     rows, pos = torch.arange(4), torch.tensor([0, 1, 1, 0])
     assert torch.equal(d.probs.row(rows, pos), q[rows, pos])
+
+
+def test_sampled_drafts_keep_their_own_number_of_clusters(target, drafters) -> None:
+    """sampling_top_k_clusters widens Q for sampled drafts only: greedy drafts keep top_k."""
+    wide = drafters["mtp-wide"]
+    inp = draft_input(target, 4)
+    d = wide.propose(inp, 2, T1, torch.Generator().manual_seed(0))
+    q = d.probs.dense()
+    assert ((q > 0).sum(-1) == 12).all() and torch.allclose(q.sum(-1), torch.ones(4, 2))
+    z, state = torch.randn(4, 32, generator=torch.Generator().manual_seed(1)), inp.hidden
+    _, greedy = wide.logits(z, state)
+    _, sampled = wide.logits(z, state, sampled=True)
+    assert greedy.shape[1] == 8 and sampled.shape[1] == 12
+    assert all(set(g) <= set(s) for g, s in zip(greedy.tolist(), sampled.tolist()))  # the best 2 of the best 3
+    assert torch.equal(wide.propose(inp, 2, GREEDY, None).tokens, drafters["mtp"].propose(inp, 2, GREEDY, None).tokens)
 
 
 def test_negative_control_wrong_q_is_detected(target, drafters) -> None:

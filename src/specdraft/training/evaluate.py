@@ -208,12 +208,12 @@ class RecordingDrafter(MTPDrafter):
         self.rounds: list[dict] = []
         self._steps: list[torch.Tensor] = []
 
-    def logits(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None = None):
+    def logits(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None = None, sampled: bool = False):
         head = self.net.masked_embedding
         if head is not None:
             n = min(max(self.record_clusters, head.top_k), head.num_centroids)
             self._steps.append(torch.topk(head.centroids(z).float(), n, dim=-1).indices.cpu())
-        return super().logits(z, state, copies)
+        return super().logits(z, state, copies, sampled)
 
     def propose(self, inp, k, sampling, generator):
         self._steps = []

@@ -10,6 +10,9 @@ specdraft's own additions live under the "specdraft" key, which other readers ig
   copy_below: greedy drafting copies the text instead of a draft the drafter gave less
         probability, where the current token occurred before (0: never; drafter.py)
   copy_gate: the network has a learned copy gate (copy.py; tensors copy_gate.proj.*)
+  sampling_top_k_clusters: clusters a sampled draft step keeps (default: as greedy,
+        centroid_intermediate_top_k). Greedy drafts need only the clusters that hold the argmax;
+        a sampled draft is accepted with chance sum(min(P, Q)), and Q is 0 outside its clusters.
 """
 
 from __future__ import annotations
@@ -20,6 +23,14 @@ from typing import Any
 from specdraft.config import FULL, SLIDING
 from specdraft.errors import SpecdraftError
 from specdraft.models.gemma4_config import head_shapes
+
+
+# The keys under "specdraft" that MTPConfig reads; others are kept in `extra` and written back.
+OWN_KEYS = ("head", "q_norm", "recommended_k", "min_confidence", "copy_below", "copy_gate", "sampling_top_k_clusters")
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 @dataclass
@@ -43,6 +54,7 @@ class MTPConfig:
     min_confidence: float = 0.0
     copy_below: float = 0.0
     copy_gate: bool = False
+    sampling_top_k_clusters: int | None = None  # None: top_k_clusters
     extra: dict[str, Any] = field(default_factory=dict)  # anything else under "specdraft"
 
     @property
@@ -87,8 +99,8 @@ class MTPConfig:
                 min_confidence=float(ours.get("min_confidence", 0.0)),
                 copy_below=float(ours.get("copy_below", 0.0)),
                 copy_gate=bool(ours.get("copy_gate", False)),
-                extra={k: v for k, v in ours.items()
-                       if k not in ("head", "q_norm", "recommended_k", "min_confidence", "copy_below", "copy_gate")},
+                sampling_top_k_clusters=_optional_int(ours.get("sampling_top_k_clusters")),
+                extra={k: v for k, v in ours.items() if k not in OWN_KEYS},
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SpecdraftError(f"drafter config.json is missing or has a bad field: {e}") from None
@@ -100,6 +112,10 @@ class MTPConfig:
             raise SpecdraftError(f"drafter copy_below must be in [0, 1], got {cfg.copy_below}")
         if cfg.head not in ("own", "target"):
             raise SpecdraftError(f"drafter head must be 'own' or 'target', got {cfg.head!r}")
+        sampled = cfg.sampling_top_k_clusters
+        if cfg.clustered and sampled is not None and not 1 <= sampled <= cfg.num_centroids:
+            raise SpecdraftError(f"drafter sampling_top_k_clusters must be in [1, num_centroids = {cfg.num_centroids}], "
+                                 f"got {sampled}")
         if cfg.clustered and cfg.vocab_size % cfg.num_centroids:
             raise SpecdraftError(f"vocab size {cfg.vocab_size} is not divisible by num_centroids {cfg.num_centroids}")
         return cfg
@@ -141,5 +157,7 @@ class MTPConfig:
             "specdraft": {"head": self.head, "q_norm": self.q_norm, "recommended_k": self.recommended_k,
                           **({"min_confidence": self.min_confidence} if self.min_confidence else {}),
                           **({"copy_below": self.copy_below} if self.copy_below else {}),
-                          **({"copy_gate": True} if self.copy_gate else {}), **self.extra},
+                          **({"copy_gate": True} if self.copy_gate else {}),
+                          **({"sampling_top_k_clusters": self.sampling_top_k_clusters}
+                             if self.sampling_top_k_clusters is not None else {}), **self.extra},
         }

@@ -117,16 +117,18 @@ class MTPDrafter(Drafter):
             return self.net.model.embed_tokens.weight, z
         return self.target.head_weight, state
 
-    def logits(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None = None
+    def logits(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None = None, sampled: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """z [N, h], next state [N, H] -> (logits [N, M], candidate ids [N, M] or None for all V).
-        `copies` [N, 2]: the current tokens' copy candidates (copy.py), for a drafter with a copy gate."""
+        `copies` [N, 2]: the current tokens' copy candidates (copy.py), for a drafter with a copy gate.
+        `sampled`: for a sampled draft (a clustered head keeps its sampled_top_k clusters)."""
         table, vec = self.head_table_and_input(z, state)
         head, gated = self.net.masked_embedding, copies is not None and self.net.copy_gate is not None
-        done = self._head_kernel(z, vec, table, copies if gated else None)
+        kept = None if head is None else head.sampled_top_k if sampled else head.top_k
+        done = self._head_kernel(z, vec, table, copies if gated else None, kept=kept)
         if done is not None:
             return done
-        top = head.top_clusters(z) if head is not None else None
+        top = head.top_clusters(z, kept) if head is not None else None
         cands = head.candidates(z, top) if head is not None else None
         if cands is None and self.net.config.head != "own":
             logits = self.target.head_scores(vec).float()  # every token: the target's own (packed) head
@@ -152,7 +154,7 @@ class MTPDrafter(Drafter):
         return None if done is None else done[2:]
 
     def _head_kernel(self, z: torch.Tensor, vec: torch.Tensor, table: torch.Tensor, copies: torch.Tensor | None,
-                     pick: bool = False) -> tuple | None:
+                     pick: bool = False, kept: int | None = None) -> tuple | None:
         """The clustered head in one C call (score_rows.c draft_head): the top clusters, their tokens'
         scores and the copy bonuses, ~0.5 ms a step less than as tensor ops. None for a dense head,
         or where the kernels do not serve (not float32 on the CPU, SPECDRAFT_KERNELS=0)."""
@@ -162,7 +164,7 @@ class MTPDrafter(Drafter):
         if self._slot_tensors is None:
             self._slot_tensors = head.slot_tensors()
         bonus = None if copies is None else self.net.copy_gate(z)
-        return draft_head(vec, table, head.centroids(z), head.top_k, head.clusters(), *self._slot_tensors,
+        return draft_head(vec, table, head.centroids(z), kept or head.top_k, head.clusters(), *self._slot_tensors,
                           copies, bonus, pick)
 
     def prepare(self, batch_size: int, capacity: int) -> None:
@@ -184,7 +186,7 @@ class MTPDrafter(Drafter):
         """A draft step's pick from `logits` (sampled drafts, copy_below, a dense head, no kernels):
         (token [N], its probability under the drafter, or None when nothing reads it). Sampled
         steps append the exact Q they drew from to `probs`."""
-        logits, cands = self.logits(z, state, copies)
+        logits, cands = self.logits(z, state, copies, sampled=not sampling.greedy)
         q = confidence = None
         if not sampling.greedy or self.min_confidence > 0 or copy:
             q = probabilities(logits, GREEDY_CONFIDENCE if sampling.greedy else sampling)

@@ -20,9 +20,10 @@ from specdraft.models.kernels.score_rows import score_rows
 class ClusteredHead(nn.Module):
     """Named `masked_embedding` in checkpoints (Gemma 4 assistant layout)."""
 
-    def __init__(self, hidden: int, vocab: int, num_centroids: int, top_k: int):
+    def __init__(self, hidden: int, vocab: int, num_centroids: int, top_k: int, sampled_top_k: int | None = None):
         super().__init__()
         self.num_centroids, self.top_k = num_centroids, top_k
+        self.sampled_top_k = top_k if sampled_top_k is None else sampled_top_k  # for sampled draft steps
         self.cluster_size = vocab // num_centroids
         self.centroids = nn.Linear(hidden, num_centroids, bias=False)
         self.register_buffer("token_ordering", torch.arange(vocab, dtype=torch.long))
@@ -31,9 +32,9 @@ class ClusteredHead(nn.Module):
         """[C, V/C]: the token ids of each cluster."""
         return self.token_ordering.view(self.num_centroids, self.cluster_size)
 
-    def top_clusters(self, z: torch.Tensor) -> torch.Tensor:
-        """z [N, h] -> the top-k clusters [N, top_k], best first."""
-        return torch.topk(self.centroids(z), self.top_k, dim=-1).indices
+    def top_clusters(self, z: torch.Tensor, k: int | None = None) -> torch.Tensor:
+        """z [N, h] -> the top-k clusters [N, k], best first (k: top_k unless given)."""
+        return torch.topk(self.centroids(z), k or self.top_k, dim=-1).indices
 
     def candidates(self, z: torch.Tensor, top: torch.Tensor | None = None) -> torch.Tensor:
         """z [N, h] -> token ids of the top-k clusters [N, top_k * V/C] (`top`: those clusters, if known)."""

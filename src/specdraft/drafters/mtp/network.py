@@ -148,7 +148,8 @@ class MTPNetwork(nn.Module):
         self.pre_projection = nn.Linear(2 * cfg.backbone_hidden_size, cfg.hidden_size, bias=False)
         self.post_projection = nn.Linear(cfg.hidden_size, cfg.backbone_hidden_size, bias=False)
         self.masked_embedding = (
-            ClusteredHead(cfg.hidden_size, cfg.vocab_size, cfg.num_centroids, cfg.top_k_clusters)
+            ClusteredHead(cfg.hidden_size, cfg.vocab_size, cfg.num_centroids, cfg.top_k_clusters,
+                          cfg.sampling_top_k_clusters)
             if cfg.clustered else None
         )
         self.copy_gate = CopyGate(cfg.hidden_size) if cfg.copy_gate else None

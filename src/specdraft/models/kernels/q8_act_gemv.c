@@ -30,7 +30,7 @@
 
 #define ACT_GROUP 32 /* inputs per activation scale */
 #define OUT_BLOCK 16 /* outputs interleaved per 64-byte step */
-#define ROW_BLOCK 4
+#define ROW_BLOCK 8 /* rows per pass over a block of outputs: 16 int32 + 8 float accumulators */
 
 /* One 32-input block of a row: its codes into qb, its scale t, and the sums of its two halves'
  * codes. q = round(x / t) to nearest even; |x / t| <= 127 up to a rounding, which rounds to 127. */
@@ -120,14 +120,18 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, cons
             }                                                                                       \
             for (int r = 0; r < MB; r++) {                                                          \
                 const int8_t *qr = q + (m0 + r) * K + k;                                            \
-                sum0[r] = _mm512_dpbusd_epi32(sum0[r], w0, bcast4(qr));                             \
-                sum1[r] = _mm512_dpbusd_epi32(sum1[r], w1, bcast4(qr + 4));                         \
+                if (MB > 4) { /* rows enough to keep the unit busy: one chain each, fewer registers */ \
+                    sum0[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum0[r], w0, bcast4(qr)), w1, bcast4(qr + 4)); \
+                } else {                                                                            \
+                    sum0[r] = _mm512_dpbusd_epi32(sum0[r], w0, bcast4(qr));                         \
+                    sum1[r] = _mm512_dpbusd_epi32(sum1[r], w1, bcast4(qr + 4));                     \
+                }                                                                                   \
             }                                                                                       \
         }                                                                                           \
         const __m512 sg = _mm512_loadu_ps(s + g * OUT_BLOCK);                                       \
         for (int r = 0; r < MB; r++) {                                                              \
             const int64_t ag = (m0 + r) * groups + g;                                               \
-            __m512i ig = _mm512_add_epi32(sum0[r], sum1[r]);                                        \
+            __m512i ig = MB > 4 ? sum0[r] : _mm512_add_epi32(sum0[r], sum1[r]); /* exact either way */ \
             if (base) ig = _mm512_add_epi32(ig, _mm512_set1_epi32(base * sums[ag])); /* sum c q */ \
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ig), sg), _mm512_set1_ps(a[ag]), acc[r]); \
             if (o) acc[r] = _mm512_fnmadd_ps(_mm512_loadu_ps(o + g * OUT_BLOCK), _mm512_set1_ps(b[ag]), acc[r]); \
@@ -140,10 +144,31 @@ TILE(1, tile, 0)
 TILE(2, tile, 0)
 TILE(3, tile, 0)
 TILE(4, tile, 0)
+TILE(5, tile, 0)
+TILE(6, tile, 0)
+TILE(7, tile, 0)
+TILE(8, tile, 0)
 TILE(1, ntile, 1)
 TILE(2, ntile, 1)
 TILE(3, ntile, 1)
 TILE(4, ntile, 1)
+TILE(5, ntile, 1)
+TILE(6, ntile, 1)
+TILE(7, ntile, 1)
+TILE(8, ntile, 1)
+
+/* kind_1 .. kind_8 by the number of rows mb <= ROW_BLOCK (row counts fixed at compile time). */
+#define BY_ROWS8(mb, kind, ...)                  \
+    switch (mb) {                                \
+    case 1: kind##_1(__VA_ARGS__); break;        \
+    case 2: kind##_2(__VA_ARGS__); break;        \
+    case 3: kind##_3(__VA_ARGS__); break;        \
+    case 4: kind##_4(__VA_ARGS__); break;        \
+    case 5: kind##_5(__VA_ARGS__); break;        \
+    case 6: kind##_6(__VA_ARGS__); break;        \
+    case 7: kind##_7(__VA_ARGS__); break;        \
+    default: kind##_8(__VA_ARGS__); break;       \
+    }
 
 /* q, a, b, sums: the rows as q8_act_quantize gives them; codes u = c - base: [N/16, K/4, 16, 4] uint8
  * (nibbles: [N/16, K/8, 16, 4], low nibble step 2j, high step 2j + 1); s, o: [N/16, K/G, 16]
@@ -163,10 +188,10 @@ void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t 
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             const int mb = (int)(M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK);
             if (nibbles) {
-                BY_ROWS(mb, ntile, c, base, s + nb * block_scales, o ? o + nb * block_scales : 0, q, a, b, sums,
+                BY_ROWS8(mb, ntile, c, base, s + nb * block_scales, o ? o + nb * block_scales : 0, q, a, b, sums,
                         y, m0, K, G, N, nb * OUT_BLOCK)
             } else {
-                BY_ROWS(mb, tile, c, base, s + nb * block_scales, o ? o + nb * block_scales : 0, q, a, b, sums,
+                BY_ROWS8(mb, tile, c, base, s + nb * block_scales, o ? o + nb * block_scales : 0, q, a, b, sums,
                         y, m0, K, G, N, nb * OUT_BLOCK)
             }
         }

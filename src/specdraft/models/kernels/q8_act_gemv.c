@@ -93,8 +93,9 @@ void q8_act_quantize(const float *x, int64_t M, int64_t K, int64_t G, int8_t *q,
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 static inline __m512i bcast4(const int8_t *q) { return _mm512_set1_epi32(*(const int32_t *)q); }
 
-/* One block of 16 outputs against MB rows. Two int32 sums per row (even and odd steps) keep two
- * dependency chains in flight; a group's epilogue adds them in one order. `codes` points at the
+/* One block of 16 outputs against MB rows. Up to 4 rows, two int32 sums per row (even and odd
+ * steps) keep enough dependency chains in flight; from 5 rows one per row does, in fewer registers.
+ * Integer sums are exact, so the chains change no bit; a group's epilogue is the same either way. `codes` points at the
  * block's steps; NIBBLES: 32 bytes a step pair, else 64 bytes a step. */
 #define TILE(MB, NAME, NIBBLES)                                                                      \
 static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, const float *o,          \

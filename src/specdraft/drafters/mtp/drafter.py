@@ -186,7 +186,7 @@ class MTPDrafter(Drafter):
         """A draft step's pick from `logits` (sampled drafts, copy_below, a dense head, no kernels):
         (token [N], its probability under the drafter, or None when nothing reads it). Sampled
         steps append the exact Q they drew from to `probs`."""
-        logits, cands = self.logits(z, state, copies, sampled=not sampling.greedy)
+        logits, cands = self.logits(z, state, copies) if sampling.greedy else self.logits(z, state, copies, sampled=True)
         q = confidence = None
         if not sampling.greedy or self.min_confidence > 0 or copy:
             q = probabilities(logits, GREEDY_CONFIDENCE if sampling.greedy else sampling)

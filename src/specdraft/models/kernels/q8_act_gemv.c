@@ -30,7 +30,7 @@
 
 #define ACT_GROUP 32 /* inputs per activation scale */
 #define OUT_BLOCK 16 /* outputs interleaved per 64-byte step */
-#define ROW_BLOCK 8 /* rows per pass over a block of outputs: 16 int32 + 8 float accumulators */
+#define ROW_BLOCK 8 /* rows per pass over a block of outputs: at 8, 8 int32 + 8 float accumulators */
 
 /* One 32-input block of a row: its codes into qb, its scale t, and the sums of its two halves'
  * codes. q = round(x / t) to nearest even; |x / t| <= 127 up to a rounding, which rounds to 127. */
@@ -94,9 +94,10 @@ void q8_act_quantize(const float *x, int64_t M, int64_t K, int64_t G, int8_t *q,
 static inline __m512i bcast4(const int8_t *q) { return _mm512_set1_epi32(*(const int32_t *)q); }
 
 /* One block of 16 outputs against MB rows. Up to 4 rows, two int32 sums per row (even and odd
- * steps) keep enough dependency chains in flight; from 5 rows one per row does, in fewer registers.
- * Integer sums are exact, so the chains change no bit; a group's epilogue is the same either way. `codes` points at the
- * block's steps; NIBBLES: 32 bytes a step pair, else 64 bytes a step. */
+ * steps) keep enough dependency chains in flight; from 5 rows one per row does, in fewer
+ * registers. Integer sums are exact, so the chains change no bit, and a group's epilogue is the
+ * same either way. `codes` points at the block's steps; NIBBLES: 32 bytes a step pair, else 64
+ * bytes a step. */
 #define TILE(MB, NAME, NIBBLES)                                                                      \
 static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, const float *o,          \
                         const int8_t *q, const float *a, const float *b, const int32_t *sums,       \

@@ -20,6 +20,7 @@ from specdraft.models import decoder
 from specdraft.models.kernels import build
 from specdraft.models.kernels.decoder_layer import decoder_layer, decoder_stack
 from specdraft.models.quant import compact_weights
+from specdraft.models.kernels.argmax import argmax_last
 from specdraft.models.kernels.attention import attend_short
 from specdraft.models.kernels.gated_act import gated_act
 from specdraft.models.kernels.qk_rope import qk_rope_write
@@ -169,6 +170,26 @@ def test_gated_act_matches_pytorch(kind: str) -> None:
     assert ((got.double() - ref).abs() <= (8 + 4 * z.abs()) * 2.0**-24 * ref.abs() + 1e-30).all()
     assert_fp32_close(got, ACTIVATIONS[kind](gate) * up, depth=8)  # PyTorch's float32 ops agree
     assert torch.equal(gated_act(torch.cat([gate[1:2], up[1:2]], dim=-1), kind), got[1:2])
+
+
+@pytest.mark.parametrize("n", [1, 7, 31, 32, 33, 100, 262144])
+def test_argmax_is_torch_argmax(n: int) -> None:
+    """The same index as torch.argmax: the first of equal maxima (rounded values tie often), the
+    first NaN in a row that has one, -inf rows, and maxima in the tail past the vector loop."""
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=gen)
+    x[1:4] = x[1:4].round()  # ties
+    x[4] = float("-inf")
+    x[5, n // 2] = float("nan")
+    x[6, -1] = float("inf")
+    x[7, n // 3 :] = float("nan")
+    x[8] = 0.0
+    x[8, n - 1 - n // 4] = -0.0  # equal to 0.0: the first index still wins
+    with torch.inference_mode():
+        got = argmax_last(x)
+        assert torch.equal(got, x.argmax(-1))
+        assert torch.equal(argmax_last(x[2:3]), got[2:3])  # a row's answer alone or in a batch
+        assert torch.equal(argmax_last(x.view(3, 3, n)), x.view(3, 3, n).argmax(-1))
 
 
 def test_rms_norm_module_takes_the_kernel_only_without_autograd() -> None:

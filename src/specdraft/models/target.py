@@ -14,6 +14,7 @@ from torch import nn
 
 from specdraft.config import ModelConfig
 from specdraft.kv_cache import AttentionSpan, KVCache
+from specdraft.models.kernels.argmax import argmax_last
 from specdraft.models.layers import softcap
 from specdraft.models.quant import head_scores
 from specdraft.models.rope import RopeTable
@@ -122,7 +123,7 @@ class CachedDecoder(nn.Module):
         bf16 values costs 4x the conversion plus a float32 argmax)."""
         if self.screened_head is not None:
             return self.screened_head(hidden)
-        return head_scores(self, hidden).float().argmax(-1)
+        return argmax_last(head_scores(self, hidden).float())
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., H] -> logits [..., V] in float32 (final softcap applied)."""

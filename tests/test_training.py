@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import make_tiny, word_list
+import specdraft.training
 from specdraft.drafters.mtp import drafter_config_for, load_mtp_drafter, save_network
 from specdraft.errors import SpecdraftError
 from specdraft.runtime import Runtime
@@ -126,6 +127,19 @@ def test_eval_guard_refuses_spec_bench_prompt(tmp_path):
     only_bad.write_text(json.dumps({"prompt": question}) + "\n")
     with pytest.raises(SpecdraftError):
         load_prompt_set([only_bad], [SPEC_BENCH])
+
+
+def test_shipped_assistant_tasks_are_clean_training_prompts() -> None:
+    """The assistant-style prompts written for drafter training (training/prompt_sets/assistant_tasks.jsonl):
+    each has a prompt and a category, none repeats, and none overlaps Spec-Bench."""
+    path = Path(specdraft.training.__file__).parent / "prompt_sets" / "assistant_tasks.jsonl"
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    prompts = [r["prompt"] for r in records]
+    assert len(records) >= 150 and all(r["category"] and r["prompt"].strip() for r in records)
+    assert len(set(prompts)) == len(prompts)
+    if SPEC_BENCH.exists():
+        kept, refused = EvalGuard([SPEC_BENCH]).filter(prompts)
+        assert refused == [] and kept == prompts
 
 
 @pytest.mark.slow

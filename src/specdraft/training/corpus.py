@@ -58,12 +58,12 @@ def record_prefill(model: torch.nn.Module, chunks: list[list[int]], slots: list[
     for i, c in enumerate(chunks):
         tokens[i, : len(c)] = torch.tensor(c)
     cache = model.new_cache(len(chunks), width)
-    hidden = model(tokens, cache)
+    hidden = model(tokens.to(model.embed_tokens.weight.device), cache)
     out = []
     for i, n in enumerate(lengths):
         ids, lp = topk_log_probs(head, hidden[i, :n], topk)
         rec = {"prompt_length": 1, "temperature": 0.0, "corpus": True, "tokens": tokens[i, :n].int(),
-               "hidden": hidden[i, :n].cpu(), "topk_ids": ids.int(), "topk_logp": lp.float()}
+               "hidden": hidden[i, :n].cpu(), "topk_ids": ids.int().cpu(), "topk_logp": lp.float().cpu()}
         for s in slots:
             for name, store in (("k", cache.k), ("v", cache.v)):
                 rec[f"{name}.{s}"] = store[s][i, :, :n].transpose(0, 1).reshape(n, -1).cpu()

@@ -69,21 +69,21 @@ def record_answers(model: torch.nn.Module, prompts: list[list[int]], max_new_tok
     took 229 ms a step at 32 rows, and sampled batches now generate 1.5x faster.
     """
     b = len(prompts)
-    gen = torch.Generator().manual_seed(seed)
+    device = model.embed_tokens.weight.device  # the records are written from the CPU; the work runs here
+    gen = torch.Generator(device).manual_seed(seed)
     lengths = torch.tensor([len(p) for p in prompts])
     width = int(lengths.max())
     cache = model.new_cache(b, width + max_new_tokens + 1)
     tokens = torch.zeros(b, width, dtype=torch.long)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = torch.tensor(p)
-    rows = torch.arange(b)
-    hidden = model(tokens, cache)
+    hidden = model(tokens.to(device), cache)
     cache.rollback(lengths)
-    prompt_hidden = hidden
-    last = hidden[rows, lengths - 1]
-    stops = torch.tensor(sorted(eos), dtype=torch.long)
+    prompt_hidden = hidden.cpu()
+    last = hidden[torch.arange(b, device=device), lengths.to(device) - 1]
+    stops = torch.tensor(sorted(eos), dtype=torch.long, device=device)
     steps_hidden, steps_ids, steps_logp, answer = [], [], [], []
-    alive = torch.ones(b, dtype=torch.bool)
+    alive = torch.ones(b, dtype=torch.bool, device=device)
     for _ in range(max_new_tokens):
         logits = model.logits(last)
         top_ids, top_logp = top_log_probs(logits, topk)
@@ -100,7 +100,9 @@ def record_answers(model: torch.nn.Module, prompts: list[list[int]], max_new_tok
         last = model(nxt[:, None], cache)[:, 0]
         steps_hidden.append(last)
     out = []
-    answers = torch.stack(answer, 1)
+    answers = torch.stack(answer, 1).cpu()
+    steps_hidden = [h.cpu() for h in steps_hidden]
+    steps_ids, steps_logp = [t.cpu() for t in steps_ids], [t.cpu() for t in steps_logp]
     for i in range(b):
         n_ans = int((answers[i] >= 0).sum())  # tokens emitted, EOS included
         p = int(lengths[i])
@@ -115,7 +117,7 @@ def record_answers(model: torch.nn.Module, prompts: list[list[int]], max_new_tok
         # has none (the row stopped), so its row stays empty and is never used as a label.
         ids[p - 1 : n - 1] = torch.stack([t[i] for t in steps_ids[:n_ans]]).int()
         lp[p - 1 : n - 1] = torch.stack([t[i] for t in steps_logp[:n_ans]]).float()
-        feats = {"tokens": torch.cat([torch.tensor(prompts[i]), answers[i, :n_ans]]).int(), "hidden": hid.cpu(),
+        feats = {"tokens": torch.cat([torch.tensor(prompts[i]), answers[i, :n_ans]]).int(), "hidden": hid,
                  "topk_ids": ids, "topk_logp": lp}
         for s in slots:
             for name, store in (("k", cache.k), ("v", cache.v)):

@@ -92,12 +92,8 @@ def teacher_forced_acceptance(drafter: MTPDrafter, seqs: list[Sequence], k_steps
         return {}
     accepted_prefix, anchors_total = 0, 0
     chain_tokens, chain_rounds = 0, 0
-    pos_ok = torch.zeros(k_steps)
-    pos_seen = torch.zeros(k_steps)
-    recall = torch.zeros(k_steps)
-    valid_seen = torch.zeros(k_steps)
-    dec_ok = torch.zeros(k_steps)
-    dec_seen = torch.zeros(k_steps)
+    # Counters per draft position, kept where the counts are made (no host sync per step).
+    pos_ok, pos_seen, recall, valid_seen, dec_ok, dec_seen = torch.zeros(6, k_steps, device=device)
     min_conf = drafter.min_confidence if min_confidence is None else min_confidence
     target = drafter.target
     dtype = target.dtype

@@ -115,6 +115,10 @@ class HeadSpace:
     index: torch.Tensor  # [V] token id -> shortlist position, -1 if not in it
     cluster_of: torch.Tensor | None  # [V] token id -> cluster (clustered head only)
 
+    def to(self, device: torch.device) -> "HeadSpace":
+        cluster_of = None if self.cluster_of is None else self.cluster_of.to(device)
+        return HeadSpace(self.shortlist.to(device), self.index.to(device), cluster_of)
+
 
 def make_head_space(shortlist: torch.Tensor, vocab: int, cluster_of: torch.Tensor | None) -> HeadSpace:
     index = torch.full((vocab,), -1, dtype=torch.long)

@@ -190,8 +190,7 @@ class Trainer:
         clusters = None
         if self.net.masked_embedding is not None:
             clusters = cluster_of(self.net.masked_embedding.token_ordering.cpu(), self.net.config.num_centroids)
-        space = make_head_space(shortlist, self.net.config.vocab_size, clusters)
-        return space
+        return make_head_space(shortlist, self.net.config.vocab_size, clusters).to(self.device)
 
     # --- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self) -> None:
@@ -209,7 +208,7 @@ class Trainer:
                         moments[f"{names[id(p)]}.{key}"] = st[key].detach().cpu().contiguous()
                     moments[f"{names[id(p)]}.step"] = torch.as_tensor(st["step"]).float().reshape(1)
         save_file(moments, str(tmp / "optimizer.safetensors"))
-        save_file({"shortlist": self.space.shortlist}, str(tmp / "shortlist.safetensors"))
+        save_file({"shortlist": self.space.shortlist.cpu()}, str(tmp / "shortlist.safetensors"))
         (tmp / "state.json").write_text(json.dumps({"step": self.step, "history": self.history,
                                                     "train_config": asdict(self.cfg),
                                                     "new_blocks": self.new_blocks}, indent=1))

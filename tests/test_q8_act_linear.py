@@ -17,10 +17,11 @@ from conftest import prompts_of
 from test_gguf_weights import write_quantised_gguf
 from test_quant import repetitive_prompts, speculative_equals_plain
 from specdraft.models import q8_act_linear
+from specdraft.models.kernels import build
 from specdraft.models.block_linear import Blocks
 from specdraft.models.q8_act_linear import Q8ActLinear
 
-vnni = pytest.mark.skipif(not q8_act_linear.kernel_available(), reason="no AVX-512 VNNI CPU or no C compiler here")
+kernel = pytest.mark.skipif(not q8_act_linear.kernel_available(), reason="no AVX2 CPU or no C compiler here")
 
 
 def random_blocks(n: int, k: int, group: int, low: int, high: int, offsets: bool, seed: int) -> Blocks:
@@ -44,7 +45,7 @@ def quantisation_bound(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     return per_input @ w.abs().T + 1e-5 * (x.double().abs() @ magnitude.T)
 
 
-@vnni
+@kernel
 @pytest.mark.parametrize("group,low,high,offsets,k", [
     (32, -16, 15, False, 640),  # Q5_0
     (32, -127, 127, False, 192),  # Q8_0
@@ -76,6 +77,24 @@ def test_kernel_is_within_the_quantisation_bound_and_row_invariant(group, low, h
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not (q8_act_linear.kernel_available() and build.avx512_here()),
+                    reason="needs an AVX-512 VNNI CPU to compare the AVX2 loops against")
+@pytest.mark.parametrize("group,low,high,offsets,k", [
+    (32, -16, 15, False, 640), (32, -127, 127, False, 192), (32, -128, 127, False, 64), (16, -32, 31, False, 256),
+    (32, 0, 15, True, 320),
+])
+def test_the_avx2_loops_give_the_vnni_loops_bits(group, low, high, offsets, k, monkeypatch) -> None:
+    """Both take the same integer sums and the same float32 epilogue per output, so a model gives
+    the same tokens on AVX2 and AVX-512 machines (wide codes, split into nibbles on AVX2, included)."""
+    blocks, bias = random_blocks(48, k, group, low, high, offsets, seed=k + 1), torch.randn(48)
+    x = torch.randn(9, k) * torch.linspace(0.1, 3.0, k)
+    outs = []
+    for avx512 in (True, False):  # each build packs the codes its own way (signed ones on AVX2)
+        monkeypatch.setattr(build, "library", lambda avx512=avx512: build.library_for(avx512))
+        outs.append(Q8ActLinear(blocks, bias)(x))
+    assert torch.equal(outs[0], outs[1])
+
+
 def test_the_kernel_refuses_shapes_it_does_not_take() -> None:
     assert Q8ActLinear.takes(random_blocks(32, 64, 32, -16, 15, False, seed=1))
     assert not Q8ActLinear.takes(random_blocks(24, 64, 32, -16, 15, False, seed=1))  # outputs not in 16s
@@ -87,7 +106,7 @@ def test_the_kernel_refuses_shapes_it_does_not_take() -> None:
         Q8ActLinear(random_blocks(24, 64, 32, -16, 15, False, seed=1), None)
 
 
-@vnni
+@kernel
 @pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "Q5_0"])
 def test_gguf_q8_decodes_near_the_float32_model_and_speculation_is_exact(tmp_path: Path, monkeypatch,
                                                                          fmt: str) -> None:
@@ -120,14 +139,14 @@ def test_gguf_q8_decodes_near_the_float32_model_and_speculation_is_exact(tmp_pat
     assert one_call_bits_equal_per_op(q8.model, prompts_of([20], vocab, seed=6)[0], monkeypatch, 10)
 
 
-def test_gguf_q8_is_refused_clearly_without_vnni(tmp_path: Path, monkeypatch) -> None:
+def test_gguf_q8_is_refused_clearly_without_the_kernel(tmp_path: Path, monkeypatch) -> None:
     from specdraft.errors import SpecdraftError
     from specdraft.runtime import Runtime
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
     path = write_quantised_gguf(tmp_path / "tiny.gguf", "Q8_0")
     monkeypatch.setattr(q8_act_linear, "kernel_available", lambda: False)
-    with pytest.raises(SpecdraftError, match="AVX-512 VNNI"):
+    with pytest.raises(SpecdraftError, match="AVX2"):
         Runtime.load(str(path), dtype="float32", weights="gguf-q8", progress=False)
     with pytest.raises(SpecdraftError, match="float32"):
         Runtime.load(str(path), dtype="bfloat16", weights="gguf-q8", progress=False)
@@ -146,7 +165,7 @@ def test_int8_blocks_round_each_weight_to_the_nearest_code() -> None:
     assert Q8ActLinear.takes(blocks)
 
 
-@vnni
+@kernel
 def test_an_mtp_drafter_next_to_gguf_q8_reads_int8_weights_and_speculation_is_exact(tmp_path: Path,
                                                                                     monkeypatch) -> None:
     """Next to --weights gguf-q8 the drafter's linears are int8 blocks too (a draft step reads

@@ -79,10 +79,10 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_c
 
     When --dtype auto chose float32 (`dtype_chosen`: any CPU for a model from a GGUF file whose
     blocks the C kernels read, see resolve_dtype; else a CPU without bf16 units) auto = the
-    file's blocks for such a model (`gguf_blocks`): gguf-q8 where `int8_rows` (a CPU with
-    AVX-512 VNNI: rows rounded to int8 per 32 inputs, as llama.cpp computes; plain steps ~1.06x
-    and verifications of 4 tokens ~1.4x faster than gguf's, per-token KL 0.002 against float32,
-    BENCHMARKS.md), else gguf (the file's exact float32 weights, float32 arithmetic); else fp16
+    file's blocks for such a model (`gguf_blocks`): gguf-q8 where `int8_rows` (the C kernels
+    build: rows rounded to int8 per 32 inputs, as llama.cpp computes; on a VNNI CPU plain steps
+    ~1.06x and verifications of 4 tokens ~1.4x faster than gguf's, on an AVX2-only EPYC plain
+    decoding 1.13x; per-token KL 0.002 against float32, BENCHMARKS.md), else gguf (the file's exact float32 weights, float32 arithmetic); else fp16
     (half of float32's bytes at float32's arithmetic; torch's int8 kernels are compute-bound
     without bf16 units). auto = int8 on a CPU in bfloat16: it halves the bytes every step reads
     and its kernel gives a row the same bits whatever the number of rows (BENCHMARKS.md, weight

@@ -38,7 +38,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (auto = cuda when available)")
     p.add_argument("--weights", default="auto", choices=list(WEIGHT_CHOICES),
                    help="how weights are stored: auto = the file's own blocks for a model from a GGUF file (the "
-                        "presets) on a CPU with --dtype auto (gguf-q8 on CPUs with AVX-512 VNNI, else gguf); else "
+                        "presets) on a CPU with --dtype auto (gguf-q8; gguf without a C compiler); else "
                         "int8 on a CPU in bfloat16, fp16 where --dtype auto chose float32 (CPUs without bf16 units); "
                         "otherwise as --dtype; int8: one scale per row, near-lossless (KL 0.005 vs bf16 "
                         "on gemma3-270m) and half the bytes; int4: a quarter of the bytes, measurably worse (KL 0.24); "
@@ -46,8 +46,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "gguf: a GGUF model's own quantised blocks, multiplied as the float32 model's exact weights "
                         "(presets and .gguf files; x86 CPUs with AVX2, float32; builds a small C kernel once); "
                         "gguf-q8: the same blocks against rows rounded to int8 per 32 inputs, as llama.cpp computes "
-                        "(AVX-512 VNNI): KL 0.002 vs float32, a verify of 4 tokens ~1.1x a plain step instead of "
-                        "~1.5x; "
+                        "(x86 with AVX2; the same bits with or without AVX-512 VNNI): KL 0.002 vs float32, a verify "
+                        "of 4 tokens ~1.1x a plain step instead of ~1.5x on a VNNI CPU; "
                         "dtype: unquantised (with --dtype float32: the exactness reference)")
     p.add_argument("--prefill-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="arithmetic of prompts with --weights gguf (decode steps and verifications stay float32, so "

@@ -1,8 +1,9 @@
-"""Linears over GGUF blocks with int8 activations, on AVX-512 VNNI (--weights gguf-q8).
+"""Linears over GGUF blocks with int8 activations, on x86 CPUs with AVX2 (--weights gguf-q8).
 
 The same weights as --weights gguf (models/block_linear.py), w = s * c - o per group, but each
 input row is rounded to int8 per 32 inputs (llama.cpp's Q8_0 activations) and multiplied by the
-codes as integers, 64 products an instruction (kernels/q8_act_gemv.c). --weights gguf computes
+codes as integers, 64 products an instruction with AVX-512 VNNI, 32 with AVX2, the same bits
+either way (kernels/q8_act_gemv.c). --weights gguf computes
 the float32 model exactly up to the order of sums and spends one float32 multiply-add a weight
 and a row; here a row costs about a third of that, so a verification of K + 1 positions costs
 little more than one step. What it costs in quality against float32 is measured, not assumed
@@ -27,13 +28,14 @@ ACT_GROUP = 32  # inputs per activation scale
 
 
 def kernel_available() -> bool:
-    """Whether this CPU and build run the kernel: the AVX-512 build, which needs VNNI."""
-    return build.available() and build.library_is_avx512()
+    """Whether this CPU and build run the kernel: any build of the kernels (AVX2, or AVX-512 with
+    VNNI: the same integers and the same float32 epilogue, so the same bits)."""
+    return build.available()
 
 
 def require_kernel() -> None:
     if not kernel_available():
-        raise SpecdraftError("--weights gguf-q8 needs an x86 CPU with AVX-512 VNNI (and a C compiler); "
+        raise SpecdraftError("--weights gguf-q8 needs an x86 CPU with AVX2 (and a C compiler); "
                              "use --weights gguf")
 
 
@@ -53,7 +55,7 @@ def by_output_block(t: torch.Tensor) -> torch.Tensor:
     return t.view(n // OUT_BLOCK, OUT_BLOCK, groups).permute(0, 2, 1).contiguous()
 
 
-def q8_act_mm(rows: torch.Tensor, codes: torch.Tensor, nibbles: bool, base: int, scales: torch.Tensor,
+def q8_act_mm(rows: torch.Tensor, codes: torch.Tensor, layout: int, base: int, scales: torch.Tensor,
               offsets: torch.Tensor | None, n: int, group: int) -> torch.Tensor:
     """rows [M, K] float32 -> [M, N] float32 (see the module docstring)."""
     rows = rows.float().contiguous()
@@ -66,7 +68,7 @@ def q8_act_mm(rows: torch.Tensor, codes: torch.Tensor, nibbles: bool, base: int,
     a, b, sums = torch.empty(m, k // group), torch.empty(m, k // group), torch.empty(m, k // group, dtype=torch.int32)
     lib.q8_act_quantize(rows.data_ptr(), m, k, group, q.data_ptr(), a.data_ptr(), b.data_ptr(), sums.data_ptr(),
                         threads)
-    lib.q8_act_gemv(q.data_ptr(), a.data_ptr(), b.data_ptr(), sums.data_ptr(), codes.data_ptr(), int(nibbles), base,
+    lib.q8_act_gemv(q.data_ptr(), a.data_ptr(), b.data_ptr(), sums.data_ptr(), codes.data_ptr(), layout, base,
                     scales.data_ptr(), None if offsets is None else offsets.data_ptr(), out.data_ptr(), m, n, k,
                     group, threads)
     return out
@@ -104,7 +106,16 @@ class Q8ActLinear(nn.Module):
         self.code_base = base = int(blocks.codes.min())
         span = int(blocks.codes.max()) - base
         self.nibbles = span <= 15  # 4-bit codes (Q4_K, Q4_0/1) stay two a byte
-        unsigned = (blocks.codes.to(torch.int16) - base).to(torch.uint8)
+        # The kernel's layout (q8_act_gemv.c): 0 unsigned bytes, 1 nibbles, 2 signed bytes. AVX2's
+        # 16-bit pair sums are exact for unsigned codes spanning at most 129 values; wider ones
+        # (Q8_0, int8_blocks) go signed there, with |c| against rows signed by c.
+        signed = span > 129 and not build.library_is_avx512()
+        self.layout = 1 if self.nibbles else 2 if signed else 0
+        if signed:
+            self.code_base = 0
+            unsigned = blocks.codes.view(torch.uint8)
+        else:
+            unsigned = (blocks.codes.to(torch.int16) - base).to(torch.uint8)
         self.register_buffer("packed_codes", interleave_codes(unsigned, self.nibbles))
         self.register_buffer("scales", by_output_block(blocks.scales.float()))
         self.register_buffer("offsets", None if blocks.offsets is None else by_output_block(blocks.offsets.float()))
@@ -113,7 +124,7 @@ class Q8ActLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         mm = q8_act_mm_op if torch.compiler.is_compiling() else q8_act_mm
-        y = mm(rows, self.packed_codes, self.nibbles, self.code_base, self.scales, self.offsets, self.out_features,
+        y = mm(rows, self.packed_codes, self.layout, self.code_base, self.scales, self.offsets, self.out_features,
                self.group)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
@@ -123,7 +134,7 @@ q8_act_mm_op = torch.library.custom_op("specdraft::q8_act_mm", q8_act_mm, mutate
 
 
 @q8_act_mm_op.register_fake
-def _(rows, codes, nibbles, base, scales, offsets, n, group):
+def _(rows, codes, layout, base, scales, offsets, n, group):
     return rows.new_empty(rows.shape[0], n, dtype=torch.float32)
 
 

@@ -198,7 +198,7 @@ def kernels_like_target(net: MTPNetwork, target: nn.Module) -> str | None:
     """For inference next to a target whose linears run on the C kernels, the drafter's linears
     take the same path, and each MLP's gate and up become one projection:
 
-    - next to --weights gguf-q8 (int8 activations on AVX-512 VNNI): int8 codes per 32 inputs
+    - next to --weights gguf-q8 (int8 activations): int8 codes per 32 inputs
       (Q8ActLinear), ~1.1 bytes a weight. A draft step reads all of the drafter's linears (13 MB
       as fp16 for the shipped drafter, 7 MB as int8), mostly evicted by the target's forward in
       between: a drafting round took 2.66 ms against 2.80 ms with fp16 tiles in real decoding,

@@ -17,4 +17,5 @@ never depends on the rows beside it (speculative output equals plain output).
 (once per source, compiler and flags) and loads it with ctypes. On CPUs with AVX-512 (F, BW,
 VL, DQ, VNNI) it builds with those too, and block_gemv.c and int8_screen.c take 16-lane and
 VNNI loops (1.02-1.15x a step on a Zen 4 EPYC); SPECDRAFT_KERNEL_ISA=avx2 keeps the AVX2 build.
+q8_act_gemv.c's AVX2 and VNNI loops give the same bits (tests/test_q8_act_linear.py).
 """

@@ -14,7 +14,8 @@
  */
 #include "kernels.h"
 
-enum { LINEAR_FP16 = 0, LINEAR_BLOCKS = 1, LINEAR_PACKED_BLOCKS = 2, LINEAR_Q8_ACT = 3, LINEAR_Q8_ACT_NIBBLES = 4 };
+enum { LINEAR_FP16 = 0, LINEAR_BLOCKS = 1, LINEAR_PACKED_BLOCKS = 2, LINEAR_Q8_ACT = 3, LINEAR_Q8_ACT_NIBBLES = 4,
+       LINEAR_Q8_ACT_SIGNED = 5 /* the q8_act layouts in their order: bytes, nibbles, signed bytes */ };
 
 /* A projection's weights as one of the kernels takes them. */
 typedef struct {
@@ -37,12 +38,12 @@ static void linear(const Linear *W, const float *x, float *y, int64_t M, int64_t
         fp16_gemv(x, W->weights, W->bias, y, M, N, K, threads);
         return;
     }
-    if (W->kind == LINEAR_Q8_ACT || W->kind == LINEAR_Q8_ACT_NIBBLES) {
+    if (W->kind >= LINEAR_Q8_ACT) {
         float *a = rows, *b = a + M * K / W->group;
         int32_t *sums = (int32_t *)(b + M * K / W->group);
         int8_t *q = (int8_t *)(sums + M * K / W->group);
         q8_act_quantize(x, M, K, W->group, q, a, b, sums, threads);
-        q8_act_gemv(q, a, b, sums, W->weights, W->kind == LINEAR_Q8_ACT_NIBBLES, (int32_t)W->base, W->scales,
+        q8_act_gemv(q, a, b, sums, W->weights, W->kind - LINEAR_Q8_ACT, (int32_t)W->base, W->scales,
                     W->offsets, y, M, N, K, W->group, threads);
     } else if (W->kind == LINEAR_PACKED_BLOCKS)
         block_gemv_packed(x, W->weights, W->scales, W->offsets, W->base, y, M, N, K, threads);

@@ -1,4 +1,5 @@
-/* y = x W^T with int8 activations against GGUF-block weights, on AVX-512 VNNI (`--weights gguf-q8`).
+/* y = x W^T with int8 activations against GGUF-block weights (`--weights gguf-q8`): AVX-512 VNNI
+ * loops, and AVX2 loops below that give the same bits.
  *
  * The weights are the GGUF blocks of block_gemv.c, w = s * c - o per group of G inputs, kept as
  * unsigned codes u = c - base in an output-interleaved layout: for each block of 16 outputs and
@@ -31,6 +32,10 @@
 #define ACT_GROUP 32 /* inputs per activation scale */
 #define OUT_BLOCK 16 /* outputs interleaved per 64-byte step */
 #define ROW_BLOCK 8 /* rows per pass over a block of outputs: at 8, 8 int32 + 8 float accumulators */
+
+/* How the codes are kept (`layout`): unsigned u = c - base one a byte or two a byte, or (AVX2 only)
+ * the signed codes c themselves, one a byte, for codes spanning more than 129 values. */
+enum { Q8_BYTES = 0, Q8_NIBBLES = 1, Q8_SIGNED = 2 };
 
 /* One 32-input block of a row: its codes into qb, its scale t, and the sums of its two halves'
  * codes. q = round(x / t) to nearest even; |x / t| <= 127 up to a rounding, which rounds to 127. */
@@ -172,40 +177,112 @@ TILE(8, ntile, 1)
     default: kind##_8(__VA_ARGS__); break;       \
     }
 
+#define ROWS_PER_PASS ROW_BLOCK
+#define ROW_TILES(mb, layout, ...)                                                                    \
+    if (layout == Q8_NIBBLES) { BY_ROWS8(mb, ntile, __VA_ARGS__) }                                 \
+    else { BY_ROWS8(mb, tile, __VA_ARGS__) } /* vpdpbusd takes any unsigned byte: no Q8_SIGNED here */
+#else
+/* AVX2 (no VNNI): vpmaddubsw multiplies 32 unsigned codes by 32 int8 activations and adds
+ * neighbours into 16-bit sums, which vpmaddwd by ones widens to int32: lane j of 32 bytes then
+ * holds output j's 4 products, as vpdpbusd gives them, so the integer group sums I_g and the
+ * float32 epilogue are the VNNI loop's, bit for bit. The 16-bit pair sums are exact while
+ * 2 x u x 127 <= 32767, i.e. for codes spanning at most 129 values (Q6_K, Q5_0, Q4_K, Q4_0).
+ * Wider codes (Q8_0, int8_blocks) come signed (layout Q8_SIGNED, base 0): |c| as unsigned bytes
+ * times the activations with c's sign, 2 x 128 x 127 at most. A tile does the 16-output block's
+ * two halves of 8 one after the other: 4 rows of int32 and float32 accumulators then fit the 16
+ * registers. */
+static inline __m256i bcast4(const int8_t *q) { return _mm256_set1_epi32(*(const int32_t *)q); }
+static inline __m256i dot4(__m256i u, __m256i x) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+
+#define TILE(MB, NAME, LAYOUT)                                                                        \
+static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, const float *o,          \
+                        const int8_t *q, const float *a, const float *b, const int32_t *sums,       \
+                        float *y, int64_t m0, int64_t K, int64_t G, int64_t N, int64_t n0) {        \
+    const int64_t groups = K / G, steps = G / 4;                                                    \
+    const __m256i low = _mm256_set1_epi8(15);                                                       \
+    for (int h = 0; h < 2; h++) {                                                                   \
+        __m256 acc[MB];                                                                             \
+        for (int r = 0; r < MB; r++) acc[r] = _mm256_setzero_ps();                                 \
+        for (int64_t g = 0; g < groups; g++) {                                                      \
+            __m256i sum[MB];                                                                        \
+            for (int r = 0; r < MB; r++) sum[r] = _mm256_setzero_si256();                           \
+            for (int64_t st = 0; st < steps; st += 2) {                                             \
+                const int64_t k = g * G + 4 * st;                                                   \
+                __m256i w0, w1;                                                                     \
+                if (LAYOUT == Q8_NIBBLES) {                                                         \
+                    const __m256i byte = _mm256_loadu_si256((const __m256i *)(codes + (g * steps + st) * 32 + 32 * h)); \
+                    w0 = _mm256_and_si256(byte, low);                                               \
+                    w1 = _mm256_and_si256(_mm256_srli_epi16(byte, 4), low);                         \
+                } else {                                                                            \
+                    w0 = _mm256_loadu_si256((const __m256i *)(codes + (g * steps + st) * 64 + 32 * h)); \
+                    w1 = _mm256_loadu_si256((const __m256i *)(codes + (g * steps + st + 1) * 64 + 32 * h)); \
+                }                                                                                   \
+                /* signed codes: |c| (-128 -> 128 as an unsigned byte), the sign goes to the rows */ \
+                const __m256i u0 = LAYOUT == Q8_SIGNED ? _mm256_sign_epi8(w0, w0) : w0;            \
+                const __m256i u1 = LAYOUT == Q8_SIGNED ? _mm256_sign_epi8(w1, w1) : w1;            \
+                for (int r = 0; r < MB; r++) {                                                      \
+                    const int8_t *qr = q + (m0 + r) * K + k;                                        \
+                    __m256i x0 = bcast4(qr), x1 = bcast4(qr + 4);                                   \
+                    if (LAYOUT == Q8_SIGNED) x0 = _mm256_sign_epi8(x0, w0), x1 = _mm256_sign_epi8(x1, w1); \
+                    sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(dot4(u0, x0), dot4(u1, x1)));  \
+                }                                                                                   \
+            }                                                                                       \
+            const __m256 sg = _mm256_loadu_ps(s + g * OUT_BLOCK + 8 * h);                           \
+            for (int r = 0; r < MB; r++) {                                                          \
+                const int64_t ag = (m0 + r) * groups + g;                                           \
+                __m256i ig = sum[r];                                                                \
+                if (base) ig = _mm256_add_epi32(ig, _mm256_set1_epi32(base * sums[ag])); /* sum c q */ \
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ig), sg), _mm256_set1_ps(a[ag]), acc[r]); \
+                if (o) acc[r] = _mm256_fnmadd_ps(_mm256_loadu_ps(o + g * OUT_BLOCK + 8 * h), _mm256_set1_ps(b[ag]), acc[r]); \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < MB; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0 + 8 * h, acc[r]);     \
+    }                                                                                               \
+}
+
+TILE(1, tile, Q8_BYTES)
+TILE(2, tile, Q8_BYTES)
+TILE(3, tile, Q8_BYTES)
+TILE(4, tile, Q8_BYTES)
+TILE(1, ntile, Q8_NIBBLES)
+TILE(2, ntile, Q8_NIBBLES)
+TILE(3, ntile, Q8_NIBBLES)
+TILE(4, ntile, Q8_NIBBLES)
+TILE(1, stile, Q8_SIGNED)
+TILE(2, stile, Q8_SIGNED)
+TILE(3, stile, Q8_SIGNED)
+TILE(4, stile, Q8_SIGNED)
+
+#define ROWS_PER_PASS 4
+#define ROW_TILES(mb, layout, ...)                                                                    \
+    if (layout == Q8_NIBBLES) { BY_ROWS(mb, ntile, __VA_ARGS__) }                                  \
+    else if (layout == Q8_SIGNED) { BY_ROWS(mb, stile, __VA_ARGS__) }                              \
+    else { BY_ROWS(mb, tile, __VA_ARGS__) }
+#endif
+
 /* q, a, b, sums: the rows as q8_act_quantize gives them; codes u = c - base: [N/16, K/4, 16, 4] uint8
- * (nibbles: [N/16, K/8, 16, 4], low nibble step 2j, high step 2j + 1); s, o: [N/16, K/G, 16]
- * float32 (o may be NULL: no offsets); y [M, N]. N a multiple of 16, K of G and 32. */
+ * (layout Q8_NIBBLES: [N/16, K/8, 16, 4], low nibble step 2j, high step 2j + 1; Q8_SIGNED, AVX2
+ * builds only: the signed codes, base 0); s, o: [N/16, K/G, 16] float32 (o may be NULL: no offsets);
+ * y [M, N]. N a multiple of 16, K of G and 32. */
 void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t *sums, const uint8_t *codes,
-                 int nibbles, int32_t base, const float *s, const float *o, float *y, int64_t M, int64_t N, int64_t K,
+                 int layout, int32_t base, const float *s, const float *o, float *y, int64_t M, int64_t N, int64_t K,
                  int64_t G, int threads)
 {
     /* No software prefetch: each thread reads its blocks as one contiguous stream, which the
      * hardware prefetcher follows; fetching the next block ahead (or 4-16 lines ahead) read the
      * same or slower on a 2-core Zen 4 (20 matrices of 4096 x 640 codes, 22 GB/s at one row). */
+    const int nibbles = layout == Q8_NIBBLES;
     const int64_t blocks = N / OUT_BLOCK, block_bytes = nibbles ? K * OUT_BLOCK / 2 : K * OUT_BLOCK;
     const int64_t block_scales = (K / G) * OUT_BLOCK;
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t nb = 0; nb < blocks; nb++) {
         const uint8_t *c = codes + nb * block_bytes;
-        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-            const int mb = (int)(M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK);
-            if (nibbles) {
-                BY_ROWS8(mb, ntile, c, base, s + nb * block_scales, o ? o + nb * block_scales : 0, q, a, b, sums,
-                        y, m0, K, G, N, nb * OUT_BLOCK)
-            } else {
-                BY_ROWS8(mb, tile, c, base, s + nb * block_scales, o ? o + nb * block_scales : 0, q, a, b, sums,
-                        y, m0, K, G, N, nb * OUT_BLOCK)
-            }
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
+            const int mb = (int)(M - m0 < ROWS_PER_PASS ? M - m0 : ROWS_PER_PASS);
+            ROW_TILES(mb, layout, c, base, s + nb * block_scales, o ? o + nb * block_scales : 0, q, a, b, sums, y,
+                      m0, K, G, N, nb * OUT_BLOCK)
         }
     }
 }
-#else
-/* Without AVX-512 VNNI the format is refused before any call (models/gguf_q8_linear.py). */
-void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t *sums, const uint8_t *codes,
-                 int nibbles, int32_t base, const float *s, const float *o, float *y, int64_t M, int64_t N, int64_t K,
-                 int64_t G, int threads)
-{
-    (void)q, (void)a, (void)b, (void)sums, (void)codes, (void)nibbles, (void)base, (void)s, (void)o, (void)y, (void)M,
-        (void)N, (void)K, (void)G, (void)threads;
-}
-#endif

@@ -58,15 +58,40 @@ static inline float quantize_block(const float *xb, int8_t *qb, int sum[2])
     sum[1] = _mm512_reduce_add_epi32(c1);
     return t;
 #else
-    float top = 0.0f;
-    for (int i = 0; i < ACT_GROUP; i++) top = fmaxf(top, fabsf(xb[i]));
-    const float t = top / 127.0f;
-    sum[0] = sum[1] = 0;
-    for (int i = 0; i < ACT_GROUP; i++) {
-        const int c = t > 0.0f ? (int)nearbyintf(xb[i] / t) : 0;
-        qb[i] = (int8_t)c;
-        sum[i >= 16] += c;
+    /* The same numbers with 8 lanes: the maximum of |x| is exact in any order, each code is
+     * x / t correctly rounded then rounded to nearest even (cvtps_epi32, as nearbyintf), and the
+     * narrowing saturates as the AVX-512 loop's does (|code| <= 127 anyway). Prompts quantise
+     * every row of every linear: the scalar loop took ~8% of a long prompt's prefill. */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 x[4], top8 = _mm256_setzero_ps();
+    for (int i = 0; i < 4; i++) {
+        x[i] = _mm256_loadu_ps(xb + 8 * i);
+        top8 = _mm256_max_ps(top8, _mm256_andnot_ps(sign, x[i]));
     }
+    __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+    top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+    top4 = _mm_max_ss(top4, _mm_shuffle_ps(top4, top4, 0x55));
+    const float t = _mm_cvtss_f32(top4) / 127.0f;
+    if (t == 0.0f) {
+        _mm256_storeu_si256((__m256i *)qb, _mm256_setzero_si256());
+        sum[0] = sum[1] = 0;
+        return t;
+    }
+    const __m256 tv = _mm256_set1_ps(t);
+    __m256i c[4];
+    for (int i = 0; i < 4; i++) c[i] = _mm256_cvtps_epi32(_mm256_div_ps(x[i], tv));
+    /* packs work within 128-bit lanes: 0-3 8-11 4-7 12-15 | 16-19 24-27 20-23 28-31 as words,
+     * then bytes in the order 0-3 8-11 16-19 24-27 4-7 12-15 20-23 28-31; one permute restores it. */
+    const __m256i words01 = _mm256_packs_epi32(c[0], c[1]), words23 = _mm256_packs_epi32(c[2], c[3]);
+    const __m256i bytes = _mm256_packs_epi16(words01, words23);
+    _mm256_storeu_si256((__m256i *)qb, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i half0 = _mm256_add_epi32(c[0], c[1]), half1 = _mm256_add_epi32(c[2], c[3]);
+    __m128i h0 = _mm_add_epi32(_mm256_castsi256_si128(half0), _mm256_extracti128_si256(half0, 1));
+    __m128i h1 = _mm_add_epi32(_mm256_castsi256_si128(half1), _mm256_extracti128_si256(half1, 1));
+    h0 = _mm_hadd_epi32(h0, h1);
+    h0 = _mm_hadd_epi32(h0, h0); /* lanes: sum of inputs 0-15, sum of 16-31, ... */
+    sum[0] = _mm_cvtsi128_si32(h0);
+    sum[1] = _mm_extract_epi32(h0, 1);
     return t;
 #endif
 }

@@ -267,18 +267,11 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, cons
     }                                                                                               \
 }
 
-TILE(1, tile, Q8_BYTES)
-TILE(2, tile, Q8_BYTES)
-TILE(3, tile, Q8_BYTES)
-TILE(4, tile, Q8_BYTES)
-TILE(1, ntile, Q8_NIBBLES)
-TILE(2, ntile, Q8_NIBBLES)
-TILE(3, ntile, Q8_NIBBLES)
-TILE(4, ntile, Q8_NIBBLES)
-TILE(1, stile, Q8_SIGNED)
-TILE(2, stile, Q8_SIGNED)
-TILE(3, stile, Q8_SIGNED)
-TILE(4, stile, Q8_SIGNED)
+/* NAME_1 .. NAME_4, for the rows a pass takes (BY_ROWS). */
+#define TILES(NAME, LAYOUT) TILE(1, NAME, LAYOUT) TILE(2, NAME, LAYOUT) TILE(3, NAME, LAYOUT) TILE(4, NAME, LAYOUT)
+TILES(tile, Q8_BYTES)
+TILES(ntile, Q8_NIBBLES)
+TILES(stile, Q8_SIGNED)
 
 #define ROWS_PER_PASS 4
 #define ROW_TILES(mb, layout, ...)                                                                    \

@@ -113,10 +113,10 @@ class Q8ActLinear(nn.Module):
         self.layout = 1 if self.nibbles else 2 if signed else 0
         if signed:
             self.code_base = 0
-            unsigned = blocks.codes.view(torch.uint8)
+            codes = blocks.codes.view(torch.uint8)  # the int8 bits as they are
         else:
-            unsigned = (blocks.codes.to(torch.int16) - base).to(torch.uint8)
-        self.register_buffer("packed_codes", interleave_codes(unsigned, self.nibbles))
+            codes = (blocks.codes.to(torch.int16) - base).to(torch.uint8)
+        self.register_buffer("packed_codes", interleave_codes(codes, self.nibbles))
         self.register_buffer("scales", by_output_block(blocks.scales.float()))
         self.register_buffer("offsets", None if blocks.offsets is None else by_output_block(blocks.offsets.float()))
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)

@@ -176,10 +176,52 @@ def test_default_heads_get_to_data_generation(capsys, smollm2_like, tmp_path, no
     (["--exclude-eval", "/no/such/eval.jsonl"], "--exclude-eval file /no/such/eval.jsonl does not exist"),
     (["--init-from", "/no/such/drafter"], "--init-from /no/such/drafter: not a drafter folder (no config.json)"),
     (["--init-from", "shipped"], "--init-from shipped: no drafter ships for"),
+    (["--min-prompt-tokens", "-1"], "--min-prompt-tokens -1 must be >= 0"),
+    (["--max-prompt-tokens", "0"], "--max-prompt-tokens 0 must be >= 1"),
+    # The tiny target's 512-token context less a 160-token answer leaves 351 for a prompt.
+    (["--max-prompt-tokens", "400"],
+     "--max-prompt-tokens 400 with --answer-tokens 160 does not fit the target's 512-token context (try "
+     "--max-prompt-tokens 351)"),
+    (["--min-prompt-tokens", "400"], "--min-prompt-tokens 400 is above the longest prompt allowed, 351 tokens"),
+    (["--min-prompt-tokens", "50"], "no training prompt is 50-351 tokens long"),
+    (["--data-from", "/no/such/run"], "--data-from /no/such/run: no recorded answers there"),
 ])
 def test_every_setting_is_checked_before_generation(capsys, smollm2_like, tmp_path, no_generation, args, needle):
     line = one_line(*run_train(capsys, smollm2_like, tmp_path, *args))
     assert needle in line, line
+    assert no_generation == []
+
+
+def test_prompt_length_bounds_choose_the_prompts_before_num_prompts(capsys, smollm2_like, tmp_path, monkeypatch):
+    from specdraft.errors import SpecdraftError
+    from specdraft.training import data
+
+    given = []
+
+    def record(rt, prompts, out_dir, cfg, desc=""):
+        given.append((list(prompts), cfg.max_prompt_tokens))
+        raise SpecdraftError("data generation reached")
+
+    monkeypatch.setattr(data, "build_dataset", record)
+    tmp_path.mkdir(exist_ok=True)
+    long = [" ".join(f"w{i + j}" for j in range(12)) for i in range(4)]
+    short = [f"w{i} w{i + 1}" for i in range(20, 28)]
+    (tmp_path / "many.txt").write_text("\n".join(long + short) + "\n")
+    code = main(["train-drafter", "--model", str(smollm2_like), "--dtype", "float32", "--device", "cpu",
+                 "--out", str(tmp_path / "run"), "--prompts", str(tmp_path / "many.txt"), "--held-out", "0",
+                 "--min-prompt-tokens", "10", "--num-prompts", "3"])
+    assert code == 2 and given, capsys.readouterr().err
+    prompts, longest = given[0]
+    assert len(prompts) == 3 and set(prompts) <= set(long), prompts  # chosen among the long ones only
+    assert longest == 351  # the default, 1024, cut to what the 512-token context leaves after 160 tokens
+
+
+def test_data_from_must_come_from_the_same_target_and_dtype(capsys, smollm2_like, tmp_path, no_generation):
+    other = tmp_path / "other"
+    (other / "data" / "train").mkdir(parents=True)
+    (other / "data" / "train" / "data.json").write_text(json.dumps({"model": "gemma3-270m", "dtype": "float32"}))
+    line = one_line(*run_train(capsys, smollm2_like, tmp_path, "--data-from", str(other)))
+    assert f"--data-from {other}: recorded with gemma3-270m in float32, this run trains for" in line, line
     assert no_generation == []
 
 

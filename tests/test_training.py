@@ -383,8 +383,10 @@ def test_train_cli_with_a_corpus_and_init_from(tiny_target, tmp_path):
     assert any(s.corpus for s in load_sequences(sorted((first / "data" / "corpus").glob("shard-*.safetensors"))))
     second = tmp_path / "second"
     assert main(["train-drafter", *common, "--out", str(second), "--init-from", str(first), "--skip-prompts", "10",
-                 "--copy-gate"]) == 0
+                 "--copy-gate", "--data-from", str(first)]) == 0
     recipe = json.loads((second / "training.json").read_text())
+    answers = [len(load_sequences(sorted((run / "data" / "train").glob("shard-*.safetensors")))) for run in (first, second)]
+    assert min(answers) > 0 and recipe["train_sequences"] == sum(answers)  # its own answers and the first run's
     # --copy-gate added a gate to the continued drafter; the exported folder is a gated drafter.
     gated = load_mtp_drafter(second, tiny_target.model, torch.float32, "cpu")
     assert gated.net.config.copy_gate and gated.net.copy_gate is not None

@@ -12,6 +12,10 @@ from pathlib import Path
 from specdraft.cli.generate import add_model_args, load_target
 from specdraft.errors import SpecdraftError
 
+# Before the twenty-seventh session prompts were cut at 256 tokens, so no drafter had seen an
+# answer that follows a document (Spec-Bench's summarization and RAG prompts are ~700-900).
+DEFAULT_MAX_PROMPT_TOKENS = 1024
+
 
 def register(sub) -> None:
     _register_train(sub)
@@ -61,6 +65,18 @@ def _register_train(sub) -> None:
                    help="evaluation files (e.g. Spec-Bench question.jsonl): prompts sharing a 13-word span with "
                         "them are refused")
     p.add_argument("--num-prompts", type=int, default=None, help="use at most this many training prompts")
+    p.add_argument("--min-prompt-tokens", type=int, default=0,
+                   help="use only training prompts at least this many tokens long, e.g. 300 to pick the ones "
+                        "that carry a document (default 0)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help=f"leave out training prompts longer than this (default {DEFAULT_MAX_PROMPT_TOKENS}, or "
+                        "what the target's context leaves after --answer-tokens: long enough for a document to "
+                        "summarise or answer from; each answer keeps its prompt's hidden states and K/V, so "
+                        "memory grows with it)")
+    p.add_argument("--data-from", type=Path, nargs="+", default=[], metavar="DIR",
+                   help="also train on the answers another train-drafter run recorded (its --out folder, for the "
+                        "same --model and --dtype): e.g. answers to long prompts from a --data-only run mixed with "
+                        "this run's")
     p.add_argument("--skip-prompts", type=int, default=0,
                    help="skip the first N training prompts (in the fixed shuffled order), e.g. the ones the "
                         "drafter given to --init-from was trained on (default 0)")
@@ -227,7 +243,12 @@ def _check_train_args(args) -> None:
     """Every train-drafter flag that can be judged without the target, before anything loads."""
     _at_least(args, ("steps", "batch_size", "anchors", "draft_tokens", "answer_tokens", "eval_every", "num_prompts",
                      "shortlist"), 1)
-    _at_least(args, ("held_out", "skip_prompts", "synthetic_prompts"), 0)
+    _at_least(args, ("held_out", "skip_prompts", "synthetic_prompts", "min_prompt_tokens"), 0)
+    _at_least(args, ("max_prompt_tokens",), 1)
+    for folder in args.data_from:
+        if not (folder / "data" / "train" / "data.json").is_file():
+            raise SpecdraftError(f"--data-from {folder}: no recorded answers there (expected "
+                                 f"{folder / 'data' / 'train' / 'data.json'}, written by train-drafter --out {folder})")
     _at_least(args, ("corpus_texts",), 1)
     if not 0 < args.corpus_fraction < 1:  # NaN fails too
         raise SpecdraftError(f"--corpus-fraction {args.corpus_fraction} must be between 0 and 1 (try 0.5)")
@@ -250,16 +271,51 @@ def _check_train_args(args) -> None:
 
 
 def _check_context(rt, args) -> None:
-    """Answers must fit the target's context after a prompt (prompts are cut at 256 tokens)."""
-    from specdraft.training.data import DataConfig
-
+    """Answers must fit the target's context after the longest prompt allowed; without
+    --max-prompt-tokens that is 1024 tokens or what the context leaves after an answer."""
     context = rt.config.max_position_embeddings
-    room = context - DataConfig.max_prompt_tokens - 1
-    if room < 1:  # a tiny context: at least one prompt token and the answer
-        room = context - 2
-    if args.answer_tokens > room:
+    room = context - args.answer_tokens - 1  # for a prompt of at least one token
+    if room < 1:
         raise SpecdraftError(f"--answer-tokens {args.answer_tokens} does not fit the target's {context}-token "
-                             f"context after a prompt (try {max(room, 1)})")
+                             f"context after a prompt (try {max(context - 2, 1)})")
+    if args.max_prompt_tokens is None:
+        args.max_prompt_tokens = min(DEFAULT_MAX_PROMPT_TOKENS, room)
+    elif args.max_prompt_tokens > room:
+        raise SpecdraftError(f"--max-prompt-tokens {args.max_prompt_tokens} with --answer-tokens "
+                             f"{args.answer_tokens} does not fit the target's {context}-token context (try "
+                             f"--max-prompt-tokens {room})")
+    if args.min_prompt_tokens > args.max_prompt_tokens:
+        raise SpecdraftError(f"--min-prompt-tokens {args.min_prompt_tokens} is above the longest prompt allowed, "
+                             f"{args.max_prompt_tokens} tokens (--max-prompt-tokens): no prompt could be used")
+
+
+def _by_length(rt, prompts: list[str], args) -> list[str]:
+    """The prompts whose token count (without a template) is within --min/--max-prompt-tokens,
+    chosen before --skip/--num-prompts so those count the prompts actually used."""
+    low, high = args.min_prompt_tokens, args.max_prompt_tokens
+    return [p for p in prompts if low <= len(rt.tokenizer.encode(p)) <= high]
+
+
+def _check_recorded(rt, folders: list[Path]) -> None:
+    """--data-from folders must hold answers of this target in this dtype: hidden states and K/V
+    from another model or precision would teach the drafter inputs it never sees."""
+    for folder in folders:
+        meta = json.loads((folder / "data" / "train" / "data.json").read_text())
+        if (meta.get("model"), meta.get("dtype")) != (rt.name, rt.dtype_name):
+            raise SpecdraftError(f"--data-from {folder}: recorded with {meta.get('model')} in {meta.get('dtype')}, "
+                                 f"this run trains for {rt.name} in {rt.dtype_name}")
+
+
+def _recorded_elsewhere(folders: list[Path]) -> list:
+    """The answers --data-from folders recorded (checked by _check_recorded)."""
+    from specdraft.training.data import load_sequences
+
+    seqs = []
+    for folder in folders:
+        shards = sorted((folder / "data" / "train").glob("shard-*.safetensors"))
+        seqs += load_sequences(shards)
+        print(f"--data-from {folder}: {len(shards)} shards, {len(seqs)} answers so far", file=sys.stderr)
+    return seqs
 
 
 def _init_folder(rt, args) -> Path | None:
@@ -346,6 +402,7 @@ def run_train(args) -> int:
     started = time.time()
     rt = load_target(args)
     _check_context(rt, args)
+    _check_recorded(rt, args.data_from)
     init_from = _init_folder(rt, args)
     if resuming:
         drafter_cfg = _resumed_config(rt, args)
@@ -359,6 +416,10 @@ def run_train(args) -> int:
         drafter_cfg = _drafter_config(rt, args, args.draft_tokens)
     prompts = load_prompt_set(args.prompts, args.exclude_eval, held_out_fraction=0.05)
     examples = prompts.train  # the few-shot pool for --synthetic-prompts: every training prompt
+    prompts.train, prompts.held_out = (_by_length(rt, ps, args) for ps in (prompts.train, prompts.held_out))
+    if not prompts.train:
+        raise SpecdraftError(f"no training prompt is {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens "
+                             "long (--min-prompt-tokens / --max-prompt-tokens)")
     end = None if args.num_prompts is None else args.skip_prompts + args.num_prompts
     prompts.train = prompts.train[args.skip_prompts : end]
     if not prompts.train:
@@ -382,7 +443,8 @@ def run_train(args) -> int:
     print(_describe(drafter_cfg) + (" (from the checkpoint)" if resuming else ""), file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "held_out_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held))
-    data_cfg = DataConfig(max_new_tokens=args.answer_tokens, seed=args.seed, first_prompt=args.skip_prompts)
+    data_cfg = DataConfig(max_new_tokens=args.answer_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                          seed=args.seed, first_prompt=args.skip_prompts)
     if rank0:
         build_dataset(rt, prompts.train, args.out / "data" / "train", data_cfg)
         build_dataset(rt, held, args.out / "data" / "held_out", replace(data_cfg, first_prompt=0), desc="held-out data")
@@ -393,6 +455,7 @@ def run_train(args) -> int:
     if distributed:
         __import__("torch").distributed.barrier()
     train = load_sequences(sorted((args.out / "data" / "train").glob("shard-*.safetensors")))
+    train += _recorded_elsewhere(args.data_from)
     corpus_seqs = load_sequences(sorted((args.out / "data" / "corpus").glob("shard-*.safetensors"))) if corpus else []
     held_seqs = load_sequences(sorted((args.out / "data" / "held_out").glob("shard-*.safetensors")))
     data_seconds = time.time() - started

@@ -28,7 +28,7 @@ from specdraft.training.prompts import BASE_TEMPLATE, format_prompt
 @dataclass
 class DataConfig:
     max_new_tokens: int = 160
-    max_prompt_tokens: int = 256
+    max_prompt_tokens: int = 1024  # longer prompts are left out (the CLI picks them by --min/--max-prompt-tokens)
     batch_size: int = 32
     shard_prompts: int = 64
     topk: int = 8
@@ -144,7 +144,9 @@ def build_dataset(rt, prompts: list[str], out_dir: Path, cfg: DataConfig, desc: 
     eos = set(rt.tokenizer.eos_token_ids)
 
     def records_for(shard: int, chunk: list[str]) -> list[dict]:
-        ids = [p for p in _encode(rt.tokenizer, chunk, cfg.max_prompt_tokens) if p]
+        # Shortest first: a batch is padded to its longest prompt, and documents of ~1000 tokens
+        # next to one-line questions would multiply the prefill's work.
+        ids = sorted((p for p in _encode(rt.tokenizer, chunk, cfg.max_prompt_tokens) if p), key=len)
         records = []
         for b, start in enumerate(range(0, len(ids), cfg.batch_size)):
             # Batches cycle through the temperatures, so every shard mixes greedy and sampled.

@@ -182,8 +182,8 @@ def test_default_heads_get_to_data_generation(capsys, smollm2_like, tmp_path, no
     (["--max-prompt-tokens", "400"],
      "--max-prompt-tokens 400 with --answer-tokens 160 does not fit the target's 512-token context (try "
      "--max-prompt-tokens 351)"),
-    (["--min-prompt-tokens", "400"], "--min-prompt-tokens 400 is above the longest prompt allowed, 351 tokens"),
-    (["--min-prompt-tokens", "50"], "no training prompt is 50-351 tokens long"),
+    (["--min-prompt-tokens", "300"], "--min-prompt-tokens 300 is above the longest prompt allowed, 256 tokens"),
+    (["--min-prompt-tokens", "50"], "no training prompt is 50-256 tokens long"),
     (["--data-from", "/no/such/run"], "--data-from /no/such/run: no recorded answers there"),
 ])
 def test_every_setting_is_checked_before_generation(capsys, smollm2_like, tmp_path, no_generation, args, needle):
@@ -209,11 +209,11 @@ def test_prompt_length_bounds_choose_the_prompts_before_num_prompts(capsys, smol
     (tmp_path / "many.txt").write_text("\n".join(long + short) + "\n")
     code = main(["train-drafter", "--model", str(smollm2_like), "--dtype", "float32", "--device", "cpu",
                  "--out", str(tmp_path / "run"), "--prompts", str(tmp_path / "many.txt"), "--held-out", "0",
-                 "--min-prompt-tokens", "10", "--num-prompts", "3"])
+                 "--min-prompt-tokens", "10", "--num-prompts", "3", "--answer-tokens", "300"])
     assert code == 2 and given, capsys.readouterr().err
     prompts, longest = given[0]
     assert len(prompts) == 3 and set(prompts) <= set(long), prompts  # chosen among the long ones only
-    assert longest == 351  # the default, 1024, cut to what the 512-token context leaves after 160 tokens
+    assert longest == 211  # the default, 256, cut to what the 512-token context leaves after 300 tokens
 
 
 def test_data_from_must_come_from_the_same_target_and_dtype(capsys, smollm2_like, tmp_path, no_generation):

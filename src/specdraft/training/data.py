@@ -28,7 +28,7 @@ from specdraft.training.prompts import BASE_TEMPLATE, format_prompt
 @dataclass
 class DataConfig:
     max_new_tokens: int = 160
-    max_prompt_tokens: int = 1024  # longer prompts are left out (the CLI picks them by --min/--max-prompt-tokens)
+    max_prompt_tokens: int = 256  # longer prompts are left out (--max-prompt-tokens)
     batch_size: int = 32
     shard_prompts: int = 64
     topk: int = 8

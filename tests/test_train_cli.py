@@ -183,7 +183,7 @@ def test_default_heads_get_to_data_generation(capsys, smollm2_like, tmp_path, no
      "--max-prompt-tokens 400 with --answer-tokens 160 does not fit the target's 512-token context (try "
      "--max-prompt-tokens 351)"),
     (["--min-prompt-tokens", "300"], "--min-prompt-tokens 300 is above the longest prompt allowed, 256 tokens"),
-    (["--min-prompt-tokens", "50"], "no training prompt is 50-256 tokens long"),
+    (["--min-prompt-tokens", "50"], "no training prompt is at least 50 tokens long (--min-prompt-tokens)"),
     (["--data-from", "/no/such/run"], "--data-from /no/such/run: no recorded answers there"),
 ])
 def test_every_setting_is_checked_before_generation(capsys, smollm2_like, tmp_path, no_generation, args, needle):
@@ -192,7 +192,7 @@ def test_every_setting_is_checked_before_generation(capsys, smollm2_like, tmp_pa
     assert no_generation == []
 
 
-def test_prompt_length_bounds_choose_the_prompts_before_num_prompts(capsys, smollm2_like, tmp_path, monkeypatch):
+def test_min_prompt_tokens_chooses_the_prompts_before_num_prompts(capsys, smollm2_like, tmp_path, monkeypatch):
     from specdraft.errors import SpecdraftError
     from specdraft.training import data
 
@@ -214,6 +214,15 @@ def test_prompt_length_bounds_choose_the_prompts_before_num_prompts(capsys, smol
     prompts, longest = given[0]
     assert len(prompts) == 3 and set(prompts) <= set(long), prompts  # chosen among the long ones only
     assert longest == 211  # the default, 256, cut to what the 512-token context leaves after 300 tokens
+    # Without --min-prompt-tokens the choice is the fixed shuffled order's, as before the flag
+    # (earlier recipes' --skip-prompts name the same prompts).
+    from specdraft.training.prompts import load_prompt_set
+
+    given.clear()
+    main(["train-drafter", "--model", str(smollm2_like), "--dtype", "float32", "--device", "cpu",
+          "--out", str(tmp_path / "run2"), "--prompts", str(tmp_path / "many.txt"), "--held-out", "0",
+          "--skip-prompts", "2", "--num-prompts", "3"])
+    assert given[0][0] == load_prompt_set([tmp_path / "many.txt"], [], held_out_fraction=0.05).train[2:5]
 
 
 def test_data_from_must_come_from_the_same_target_and_dtype(capsys, smollm2_like, tmp_path, no_generation):

@@ -485,9 +485,13 @@ def test_a_copy_gate_added_to_a_trained_drafter_starts_closed_and_learns_to_copy
         cfg = replace(first.net.config, copy_gate=gate)
         more = Trainer(tiny_target, tmp_path / f"more-{gate}", small_config(steps=60), cfg, *tiny_data,
                        log=lambda m: None, init_from=tmp_path / "trained")
-        if gate:  # closed at the start: the continued drafter's own numbers
-            assert more.net.copy_gate is not None and not more.net.copy_gate.proj.weight.any()
+        if not gate:  # continued as it was: the trained drafter's own numbers
             assert more.evaluate()["tau"] == first.evaluate()["tau"]
+        else:  # closed at the start: a bonus of 0 on every copy. The copies outside the kept
+            # clusters still join the candidates, as they do once the gate opens, and can take
+            # an argmax there; that is all that may move (a few anchors in a thousand).
+            assert more.net.copy_gate is not None and not more.net.copy_gate.proj.weight.any()
+            assert abs(more.evaluate()["tau"] - first.evaluate()["tau"]) <= 0.01
         more.train()
         results[gate] = more.evaluate()["tau"]
     # The tiny target's greedy answers repeat (where a token pair recurs, what followed it is the

@@ -48,7 +48,8 @@ def _add_shape_args(p) -> None:
     p.add_argument("--copy-gate", action="store_true",
                    help="give the drafter a learned copy gate: a bonus on the tokens that followed the current "
                         "token (and the last two tokens) earlier in the text, so it drafts a model's repeats "
-                        "itself; with --init-from the gate is added closed (the drafter starts unchanged)")
+                        "itself; with --init-from the gate is added closed (a bonus of 0: the drafter's logits start "
+                        "unchanged, though the copies join its candidates)")
 
 
 def _register_train(sub) -> None:
@@ -68,8 +69,9 @@ def _register_train(sub) -> None:
                         "them are refused")
     p.add_argument("--num-prompts", type=int, default=None, help="use at most this many training prompts")
     p.add_argument("--min-prompt-tokens", type=int, default=0,
-                   help="use only training prompts at least this many tokens long, e.g. 300 (with "
-                        "--max-prompt-tokens 1024) to pick the ones that carry a document (default 0)")
+                   help="use only training prompts at least this many tokens long (chosen before --skip-prompts "
+                        "and --num-prompts), e.g. 300 with --max-prompt-tokens 1024 to pick the ones that carry "
+                        "a document (default 0)")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
                    help=f"leave out training prompts longer than this (default {DEFAULT_MAX_PROMPT_TOKENS}, or "
                         "what the target's context leaves after --answer-tokens; training keeps every answer's "
@@ -273,7 +275,7 @@ def _check_train_args(args) -> None:
 
 def _check_context(rt, args) -> None:
     """Answers must fit the target's context after the longest prompt allowed; without
-    --max-prompt-tokens that is 1024 tokens or what the context leaves after an answer."""
+    --max-prompt-tokens that is DEFAULT_MAX_PROMPT_TOKENS or what the context leaves after an answer."""
     context = rt.config.max_position_embeddings
     room = context - args.answer_tokens - 1  # for a prompt of at least one token
     if room < 1:
@@ -290,11 +292,14 @@ def _check_context(rt, args) -> None:
                              f"{args.max_prompt_tokens} tokens (--max-prompt-tokens): no prompt could be used")
 
 
-def _by_length(rt, prompts: list[str], args) -> list[str]:
-    """The prompts whose token count (without a template) is within --min/--max-prompt-tokens,
-    chosen before --skip/--num-prompts so those count the prompts actually used."""
-    low, high = args.min_prompt_tokens, args.max_prompt_tokens
-    return [p for p in prompts if low <= len(rt.tokenizer.encode(p)) <= high]
+def _long_enough(rt, prompts: list[str], args) -> list[str]:
+    """--min-prompt-tokens: the prompts of at least that many tokens (without a template), chosen
+    before --skip/--num-prompts so those count the prompts used. Without it nothing is filtered
+    here, so earlier recipes' --skip-prompts still name the same prompts; prompts over
+    --max-prompt-tokens are left out when they are answered (data.py, template included)."""
+    if not args.min_prompt_tokens:
+        return prompts
+    return [p for p in prompts if len(rt.tokenizer.encode(p)) >= args.min_prompt_tokens]
 
 
 def _check_recorded(rt, folders: list[Path]) -> None:
@@ -417,10 +422,10 @@ def run_train(args) -> int:
         drafter_cfg = _drafter_config(rt, args, args.draft_tokens)
     prompts = load_prompt_set(args.prompts, args.exclude_eval, held_out_fraction=0.05)
     examples = prompts.train  # the few-shot pool for --synthetic-prompts: every training prompt
-    prompts.train, prompts.held_out = (_by_length(rt, ps, args) for ps in (prompts.train, prompts.held_out))
+    prompts.train, prompts.held_out = (_long_enough(rt, ps, args) for ps in (prompts.train, prompts.held_out))
     if not prompts.train:
-        raise SpecdraftError(f"no training prompt is {args.min_prompt_tokens}-{args.max_prompt_tokens} tokens "
-                             "long (--min-prompt-tokens / --max-prompt-tokens)")
+        raise SpecdraftError(f"no training prompt is at least {args.min_prompt_tokens} tokens long "
+                             "(--min-prompt-tokens)")
     end = None if args.num_prompts is None else args.skip_prompts + args.num_prompts
     prompts.train = prompts.train[args.skip_prompts : end]
     if not prompts.train:

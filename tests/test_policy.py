@@ -21,7 +21,9 @@ from specdraft.drafters.ngram import NgramDrafter
 from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
 from specdraft.speculative.verify import HEAD_BLOCK
-from specdraft.speculative.policy import (LEARNING_RATE, SAMPLED_LEARNING_RATE, SAMPLED_RELAX, AdaptivePolicy, FixedPolicy, MeasuredCosts, by_confidence, cost_key, first_rows, head_sizes,
+from specdraft.speculative.policy import (LEARNING_RATE, RELAX, SAMPLED_LEARNING_RATE, SAMPLED_RELAX,
+                                          STEADY_LEARNING_RATE, STEADY_RELAX, STEADY_SOURCES, AdaptivePolicy,
+                                          FixedPolicy, MeasuredCosts, by_confidence, cost_key, first_rows, head_sizes,
                                           monotone, profiled_widths, row_buckets)
 
 
@@ -94,7 +96,7 @@ def test_acceptance_updates_move_the_choice():
     row = p.new_row("mtp")
     first = p.choose([row])
     assert first > 0
-    for _ in range(10):
+    for _ in range(20):  # a drafter's estimates move 0.1 of the way a round (STEADY_LEARNING_RATE)
         p.observe(row, "mtp", first, 0)  # position 1 always rejected
     assert p.choose([row]) == 0
     plain_rounds = 0
@@ -195,7 +197,7 @@ def test_a_drafter_that_stops_early_is_charged_for_what_it_drafts():
     p = policy_for(costs, k=4, prior={"mtp": 0.6})
     row = p.new_row("mtp")
     assert p.choose([row]) == 0  # asking 4 and verifying 5 does not pay at these prices
-    for _ in range(20):
+    for _ in range(60):  # (a drafter's estimates move 0.1 of the way a round)
         p.observe(row, "mtp", 1, 1, requested=4)  # one draft proposed (then unsure), accepted
     assert row.continues["mtp"][0] < 0.01 and row.continues["mtp"][1:] == [1.0, 1.0]
     assert p.expected_tokens(row)[4] == pytest.approx(2.0, abs=0.02)  # what 1 accepted draft brings
@@ -424,10 +426,35 @@ def test_sampling_rounds_learn_from_acceptance_chances():
     before = a[0]
     p.observe(row, None, 0, 0)  # a plain round: a sampling row relaxes at its own (faster) rate
     assert a[0] == pytest.approx(before + SAMPLED_RELAX * (0.5 - before))
-    fresh = policy_for(FakeCosts(lambda n, w: 1.0), k=4, prior={"mtp": 0.5})  # (p pooled the row above)
+    fresh = policy_for(FakeCosts(lambda n, w: 1.0), k=4, prior={"mtp": 0.5, "lookup": 0.5})  # (p pooled the row above)
     greedy = fresh.new_row("mtp")
-    fresh.observe(greedy, "mtp", 3, 1)  # no chances: the outcomes themselves
-    assert greedy.rates["mtp"][:2] == [pytest.approx(0.5 + LEARNING_RATE * 0.5), pytest.approx(0.5 - LEARNING_RATE * 0.5)]
+    fresh.observe(greedy, "lookup", 3, 1)  # no chances: the outcomes themselves
+    assert greedy.rates["lookup"][:2] == [pytest.approx(0.5 + LEARNING_RATE * 0.5),
+                                          pytest.approx(0.5 - LEARNING_RATE * 0.5)]
+
+
+def test_a_drafters_rate_survives_one_rejection():
+    """A drafter's acceptance is a steady rate that one round measures as a single coin flip, so a
+    greedy row learns it slowly (STEADY_LEARNING_RATE) and re-probes soon (STEADY_RELAX); lookups,
+    which come in bursts, keep the fast rates. Here a round verifying one draft breaks even at an
+    acceptance of ~0.55: a row estimated at 0.65 keeps drafting after one rejection (at the fast
+    rate it fell to 0.455 and waited in plain rounds)."""
+    costs = FakeCosts(lambda n, w: 1.0 + 0.45 * (w - 1), lambda n, s: 0.05 * s)
+    for steady, drafts_after in ((STEADY_SOURCES, True), ((), False)):
+        p = policy_for(costs, k=1, prior={"mtp": 0.65}, steady_sources=steady)
+        row = p.new_row("mtp")
+        assert p.choose([row]) == 1
+        p.observe(row, "mtp", 1, 0)  # the first draft rejected
+        learning, relax = (STEADY_LEARNING_RATE, STEADY_RELAX) if steady else (LEARNING_RATE, RELAX)
+        after = 0.65 * (1 - learning)
+        assert row.rates["mtp"][0] == pytest.approx(after)
+        assert (p.choose([row]) == 1) == drafts_after
+        p.observe(row, None, 0, 0)  # a plain round: back towards the prior
+        assert row.rates["mtp"][0] == pytest.approx(after + relax * (0.65 - after))
+    p = policy_for(costs, k=1, prior={"lookup": 0.65})
+    row = p.new_row("mtp")
+    p.observe(row, "lookup", 1, 0)
+    assert row.rates["lookup"][0] == pytest.approx(0.65 * (1 - LEARNING_RATE))
 
 
 class RecordingPolicy(FixedPolicy):

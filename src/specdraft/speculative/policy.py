@@ -17,7 +17,8 @@ tokens per second, from
 
 A row that stops drafting keeps no evidence, so its estimates drift back to the prior during
 plain rounds: a row whose text turns predictable again gets probed now and then, at the cost of
-one wide round every few dozen plain ones. The choice reads only past tokens and counts, so
+one wide round every few dozen plain ones (lookups) or every few (a drafter's steady rate, which
+is also learnt more slowly: one rejection is a single coin flip of it). The choice reads only past tokens and counts, so
 greedy output and sampling stay exact.
 """
 
@@ -47,7 +48,19 @@ from specdraft.speculative.verify import HEAD_BLOCK
 # were read 0.78, 0.89, 0.91, 0.94, 0.94, 0.97, 0.97, 0.97. With 0.8 at every position the
 # policy kept lookups to 3 drafts, never saw the later positions, and so never learnt them.
 PRIOR = {"lookup": (0.8, 0.9, 0.9, 0.95), "mtp": 0.6, "draft": 0.6}
-LEARNING_RATE = 0.3  # weight of one round's outcome in a row's estimate
+LEARNING_RATE = 0.3  # weight of one round's outcome in a row's estimate (lookups; continuation)
+RELAX = 0.01  # per plain round: how far unobserved estimates move back towards the prior (a failed
+# probe then costs one wide round in a few dozen plain ones)
+# A drafter's (MTP, draft model) acceptance is a steady rate that one round measures poorly (one
+# Bernoulli draw), while a lookup's comes in bursts (a copied stretch, then none). At 0.3 one
+# rejected first draft took a row's MTP estimate from ~0.63 to ~0.44, below the ~0.5 break-even of
+# a 2-core AVX2 CPU, and at 0.01 a round the row then waited ~70 plain rounds (most of an answer)
+# before drafting again: `auto` ran plain in 72% of its rounds where fixed `mtp` gained 1.18x.
+# Drafters' rows learn slowly and re-probe soon instead, as sampling rows do: 1.31x plain against
+# 1.28x on 39 Spec-Bench questions there, tau 2.09 against 1.89 (BENCHMARKS.md).
+STEADY_LEARNING_RATE = 0.1
+STEADY_RELAX = 0.05
+STEADY_SOURCES = ("mtp", "draft")
 # Sampling rows learn from each draft's acceptance chance (see observe). At temperature 1 the
 # MTP drafter's first-draft chance averages ~0.35 against a break-even of ~0.3 (2-core CPU), so a
 # short memory keeps dipping below break-even and the row then waits in plain rounds: replaying
@@ -56,8 +69,6 @@ LEARNING_RATE = 0.3  # weight of one round's outcome in a row's estimate
 SAMPLED_LEARNING_RATE = 0.1
 SAMPLED_RELAX = 0.05
 POOL_RATE = 0.05  # the same for the engine-wide estimate a new request starts from
-RELAX = 0.01  # per plain round: how far unobserved estimates move back towards the prior (a failed
-# probe then costs one wide round in a few dozen plain ones)
 MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (estimates are noisy)
 # The same for rounds of several rows: there a round's host work (drafter bookkeeping, copy
 # lookups, ragged acceptance) grows with the rows and is not in the measured costs, and the
@@ -148,8 +159,9 @@ class AdaptivePolicy(DraftPolicy):
     draft(n, steps) -> seconds (MeasuredCosts here; tests pass their own)."""
 
     def __init__(self, costs, prior: dict[str, float | tuple[float, ...]] | None = None, margin: float = MARGIN,
-                 batch_margin: float = BATCH_MARGIN):
+                 batch_margin: float = BATCH_MARGIN, steady_sources: tuple[str, ...] = STEADY_SOURCES):
         self.costs, self.prior, self.margin, self.batch_margin = costs, dict(prior or PRIOR), margin, batch_margin
+        self.steady_sources = steady_sources  # sources learnt slowly and re-probed soon (see STEADY_*)
         self.k = self.width = 0
         # Per source, every request's outcomes pooled: a new request starts from what the engine
         # has seen (a server or a benchmark keeps one engine for many requests), else from the prior.
@@ -256,10 +268,11 @@ class AdaptivePolicy(DraftPolicy):
             return
         if source is None:
             # A plain round, no evidence: drift back towards the priors so the row gets re-tried.
-            relax = SAMPLED_RELAX if state.sampled else RELAX
             for src, rates in state.rates.items():
+                relax = self._learning(state, src)[1]
                 rates[:] = [r + relax * (p - r) for r, p in zip(rates, self._priors(src, len(rates)))]
-            for cont in state.continues.values():
+            for src, cont in state.continues.items():
+                relax = self._learning(state, src)[1]
                 cont[:] = [c + relax * (1.0 - c) for c in cont]
             return
         if requested is not None:  # did the drafter carry on to the next draft, where asked to?
@@ -269,7 +282,7 @@ class AdaptivePolicy(DraftPolicy):
                 cont[i] += LEARNING_RATE * (hit - cont[i])
                 pooled[i] += POOL_RATE * (hit - pooled[i])
         state.sampled |= chances is not None
-        rate = SAMPLED_LEARNING_RATE if state.sampled else LEARNING_RATE
+        rate = self._learning(state, source)[0]
         rates, pooled = self._rates(state, source), self._start(source)
         # Draft j was judged only if drafts 1..j-1 were accepted: positions 1..accepted passed,
         # position accepted+1 failed (a lookup without a match counts as a failed first draft);
@@ -283,6 +296,14 @@ class AdaptivePolicy(DraftPolicy):
                 hit = 1.0 if j < accepted else 0.0
             rates[j] += rate * (hit - rates[j])
             pooled[j] += POOL_RATE * (hit - pooled[j])
+
+    def _learning(self, state: RowAcceptance, source: str) -> tuple[float, float]:
+        """(learning rate, relax per plain round) for this row's estimates of `source`."""
+        if state.sampled:
+            return SAMPLED_LEARNING_RATE, SAMPLED_RELAX
+        if source in self.steady_sources:
+            return STEADY_LEARNING_RATE, STEADY_RELAX
+        return LEARNING_RATE, RELAX
 
 
 # --- the measured cost model --------------------------------------------------------------------

@@ -24,6 +24,7 @@ greedy output and sampling stay exact.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -31,6 +32,7 @@ import math
 import os
 import platform
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -76,12 +78,14 @@ MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (est
 # predicted gain and ran 0.94x plain (BENCHMARKS.md).
 BATCH_MARGIN = 0.10
 PROFILE_CONTEXT = 128  # cached tokens in the scratch cache the costs are timed over
-# Timed calls per cell, taken in turns across the cells (every width once, then again...); the
-# fastest counts (other processes only add time). Timed one cell after another, a few seconds of
-# a slower machine landed on some widths only: a table once read a verify of 4 at 1.52x a plain
-# step where it costs ~1.2x, and a table is trusted until the code changes (BENCHMARKS.md).
-PROFILE_REPEATS = 4
-DRAFT_PROFILE_REPEATS = 6  # the same for drafting rounds (short, so noisier)
+# Timed calls per cell, taken in turns across every cell of a batch size (the target's widths, the
+# drafter's rounds and the head's sizes: each once, then again...); the fastest counts (other
+# processes only add time). Timed one cell after another, a few seconds of a slower machine
+# landed on some widths only: a table once read a verify of 4 at 1.52x a plain step where it costs
+# ~1.2x; and with the drafter timed after the target, a table read a draft step at 1.6x its usual
+# time and `auto` drafted in a third of its rounds where it had drafted in two thirds. A table is
+# trusted until the code changes (BENCHMARKS.md).
+PROFILE_REPEATS = 6
 
 
 class DraftPolicy:
@@ -489,16 +493,35 @@ class MeasuredCosts:
         if not todo and not heads:
             return
         t0 = time.perf_counter()
-        for b in todo:
-            cache, hidden, tokens, _ = _scratch(model, b, max(widths))
-            missing = [w for w in widths if w not in self.target.get(b, {})]
-            self.target.setdefault(b, {}).update(_time_target(model, cache, missing))
-            if b not in self.drafts.get(self.drafter, {}):
-                self.drafts.setdefault(self.drafter, {})[b] = _time_drafter(drafter, cache, hidden, tokens, k)
-            self.profiled += len(missing)
-        if heads:
-            self.head.update(_time_head(model, _scratch(model, 1, max(widths))[3], heads))
-            self.profiled += len(heads)
+        dev = model.embed_tokens.weight.device
+        for i, b in enumerate(todo or [None]):
+            calls: dict[tuple, Callable[[], None]] = {}
+            if b is not None:
+                cache, hidden, tokens, _ = _scratch(model, b, max(widths))
+                start = list(cache.host_lengths)
+                missing = [w for w in widths if w not in self.target.get(b, {})]
+                calls.update({("target", w): fn for w, fn in _target_calls(model, cache, missing).items()})
+                drafting = b not in self.drafts.get(self.drafter, {})
+                steps = max(2, k)
+                if drafting:
+                    calls.update({("draft", n): fn for n, fn in _drafter_calls(drafter, cache, hidden, tokens,
+                                                                                 steps).items()})
+            if i == 0 and heads:  # with the first batch size's cells
+                states = _scratch(model, 1, max(widths))[3]
+                calls.update({("head", m): fn for m, fn in _head_calls(model, states, heads).items()})
+            with _confidence_stop_lifted(drafter):
+                best = _fastest_each(calls, dev)
+            if i == 0 and heads:
+                self.head.update({m: best[("head", m)] for m in heads})
+                self.profiled += len(heads)
+            if b is not None:
+                cache.rollback(start)
+                self.target.setdefault(b, {}).update({w: best[("target", w)] for w in missing})
+                if drafting:
+                    one, many = best[("draft", 1)], best[("draft", steps)]
+                    step = max(0.0, (many - one) / (steps - 1))
+                    self.drafts.setdefault(self.drafter, {})[b] = [max(0.0, one - step), step]
+                self.profiled += len(missing)
         self._clean = self._clean_head = None
         self.save()
         if self.progress:
@@ -548,8 +571,9 @@ def _scratch(model: torch.nn.Module, rows: int, top: int):
     return cache, states[:, -1], tokens, states.reshape(-1, states.shape[-1])
 
 
-def _time_target(model: torch.nn.Module, cache, widths: list[int]) -> dict[int, float]:
-    """Seconds of one forward of w tokens per row (the head is timed apart: _time_head)."""
+def _target_calls(model: torch.nn.Module, cache, widths: list[int]) -> dict[int, Callable[[], None]]:
+    """{w: one forward of w tokens per row} from the cache's current lengths (the head is timed
+    apart: _head_calls). Each call rolls the cache back first."""
     dev, start = model.embed_tokens.weight.device, list(cache.host_lengths)
     calls = {}
     for w in widths:
@@ -562,9 +586,8 @@ def _time_target(model: torch.nn.Module, cache, widths: list[int]) -> dict[int, 
 
         forward()  # warm-up: first-call allocations and any compilation stay out of the timing
         calls[w] = forward
-    out = _fastest_each(calls, dev)
     cache.rollback(start)
-    return out
+    return calls
 
 
 def by_confidence(model: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
@@ -586,44 +609,51 @@ def first_rows(rows: torch.Tensor, m: int) -> torch.Tensor:
     return rows.repeat(-(-m // rows.shape[0]), 1)[:m]
 
 
-def _time_head(model: torch.nn.Module, states: torch.Tensor, sizes: list[int]) -> dict[int, float]:
-    """Seconds of model.greedy_tokens over m hidden rows of profile text, for each m in `sizes`:
-    the rows it is surest about (by_confidence)."""
-    dev, calls, ranked = states.device, {}, by_confidence(model, states)
+def _head_calls(model: torch.nn.Module, states: torch.Tensor, sizes: list[int]) -> dict[int, Callable[[], None]]:
+    """{m: model.greedy_tokens over m hidden rows of profile text} for each m in `sizes`: the rows
+    it is surest about (by_confidence)."""
+    calls, ranked = {}, by_confidence(model, states)
     for m in sizes:
         rows = first_rows(ranked, m)
         model.greedy_tokens(rows)  # warm-up
         calls[m] = lambda rows=rows: model.greedy_tokens(rows)
-    return _fastest_each(calls, dev)
+    return calls
 
 
-def _time_drafter(drafter: Drafter, cache, hidden: torch.Tensor, tokens: torch.Tensor, k: int) -> list[float]:
-    """[fixed seconds per drafting round, seconds per drafter step] for these rows, from rounds of
-    1 and of k steps. The confidence stop is lifted meanwhile: random text would end rounds early."""
+@contextlib.contextmanager
+def _confidence_stop_lifted(drafter: Drafter | None):
+    """The MTP drafter's confidence stop off meanwhile: random text would end timed rounds early."""
+    inner = getattr(drafter, "mtp", drafter)
+    stop = getattr(inner, "min_confidence", None)
+    if stop is not None:
+        inner.min_confidence = 0.0
+    try:
+        yield
+    finally:
+        if stop is not None:
+            inner.min_confidence = stop
+
+
+def _drafter_calls(drafter: Drafter, cache, hidden: torch.Tensor, tokens: torch.Tensor, steps: int
+                   ) -> dict[int, Callable[[], None]]:
+    """{n: a drafting round of n steps for the cache's rows} for n in (1, steps): their difference
+    gives the seconds per drafter step, the rest the fixed seconds per round. Each call rolls the
+    cache back first (the target's timed forwards write past its lengths)."""
     inner = getattr(drafter, "mtp", drafter)
     rows, start = cache.batch_size, list(cache.host_lengths)
     dev = tokens.device
     position = torch.tensor(start, device=dev) - 1
     active = torch.ones(rows, dtype=torch.bool, device=dev)
     inp = DraftInput(tokens[:, start[0]], hidden, position, cache, tokens, active)
-    stop = getattr(inner, "min_confidence", None)
-    steps = max(2, k)
-    try:
-        if stop is not None:
-            inner.min_confidence = 0.0
-        inner.prepare(rows, cache.capacity)
-        for r in range(rows):
-            inner.reset_row(r)
-        greedy = SamplingParams()
-        inner.propose(inp, steps, greedy, None)  # warm-up
-        # more repeats than a target forward gets: a round is a few ms, and with 2 a draft step of
-        # ~2 ms once read 5.6 ms, which kept `auto` from drafting (BENCHMARKS.md)
-        timed = _fastest_each({1: lambda: inner.propose(inp, 1, greedy, None),
-                               steps: lambda: inner.propose(inp, steps, greedy, None)}, dev, DRAFT_PROFILE_REPEATS)
-        one, many = timed[1], timed[steps]
-    finally:
-        if stop is not None:
-            inner.min_confidence = stop
+    inner.prepare(rows, cache.capacity)
+    for r in range(rows):
+        inner.reset_row(r)
+    greedy = SamplingParams()
+
+    def propose(n: int) -> None:
         cache.rollback(start)
-    step = max(0.0, (many - one) / (steps - 1))
-    return [max(0.0, one - step), step]
+        inner.propose(inp, n, greedy, None)
+
+    with _confidence_stop_lifted(drafter):
+        propose(steps)  # warm-up
+    return {1: lambda: propose(1), steps: lambda: propose(steps)}

@@ -16,13 +16,14 @@ import gguf
 import pytest
 from tokenizers import Tokenizer
 
+from specdraft.loading.gguf_reader import GGUFFile
 from specdraft.loading.gguf_tokenizer import convert_gguf_tokenizer
 from specdraft.tokenizer import StreamDecoder, Tokenizer as SpecdraftTokenizer
 
 # ------------------------------------------------------------------ tiny synthetic files (fast)
 
 
-def _write_gguf(path: Path, arch: str = "llama", **tokenizer) -> gguf.GGUFReader:
+def _write_gguf(path: Path, arch: str = "llama", **tokenizer) -> GGUFFile:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_tokenizer_model(tokenizer["model"])
     if "pre" in tokenizer:
@@ -50,10 +51,10 @@ def _write_gguf(path: Path, arch: str = "llama", **tokenizer) -> gguf.GGUFReader
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return gguf.GGUFReader(str(path))
+    return GGUFFile(path)
 
 
-def _convert(reader: gguf.GGUFReader, out: Path) -> tuple[Tokenizer, dict]:
+def _convert(reader: GGUFFile, out: Path) -> tuple[Tokenizer, dict]:
     convert_gguf_tokenizer(reader, out)
     return Tokenizer.from_file(str(out / "tokenizer.json")), json.loads((out / "tokenizer_config.json").read_text())
 
@@ -176,8 +177,7 @@ def _load_pair(gguf_path: Path, out: Path) -> tuple[object, Tokenizer, Path]:
     """(oracle, converted tokenizer, output folder) for one real file."""
     transformers = pytest.importorskip("transformers")
     oracle = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    reader = gguf.GGUFReader(str(gguf_path))
-    convert_gguf_tokenizer(reader, out)
+    convert_gguf_tokenizer(GGUFFile(gguf_path), out)
     return oracle, Tokenizer.from_file(str(out / "tokenizer.json")), out
 
 

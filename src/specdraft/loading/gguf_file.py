@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from specdraft.errors import SpecdraftError
+from specdraft.loading.gguf_reader import GGUFFile
 from specdraft.loading.gguf_blocks import BLOCKS_FILE, SUPPORTED_BLOCK_FORMATS, decode_blocks, save_blocks
 from specdraft.loading.weights import text_decoder_weights
 from specdraft.models.block_linear import Blocks
@@ -45,13 +46,11 @@ _LLAMA_NORMS = {"ffn_norm": "post_attention_layernorm"}
 SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
 
 
-def open_gguf(path: Path):
-    from gguf import GGUFReader
-
+def open_gguf(path: Path) -> GGUFFile:
     if not path.is_file():
         raise SpecdraftError(f"{path}: no such GGUF file")
     try:
-        return GGUFReader(str(path))
+        return GGUFFile(path)
     except Exception as e:  # the reader raises many kinds on bad bytes; all mean the same to a user
         raise SpecdraftError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e}); is it truncated or corrupt?") from None
 
@@ -175,10 +174,10 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     return f"model.layers.{layer}.{names[local]}.{kind}"
 
 
-def read_blocks(path: Path, reader=None) -> dict[str, Blocks]:
+def read_blocks(path: Path, reader: GGUFFile | None = None) -> dict[str, Blocks]:
     """Every block-quantised matrix of a GGUF file, named as our modules name their weights
     (`layers.3.self_attn.q_proj.weight`, `embed_tokens.weight`); other tensors are left out.
-    `reader`: the file already opened (parsing a GGUF's metadata takes ~30 s for a 262k vocabulary)."""
+    `reader`: the file already opened (open_gguf)."""
     reader = reader if reader is not None else open_gguf(path)
     arch = field(reader, "general.architecture")
     heads = {"q": field(reader, f"{arch}.attention.head_count"), "k": field(reader, f"{arch}.attention.head_count_kv")}

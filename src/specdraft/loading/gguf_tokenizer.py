@@ -23,6 +23,8 @@ from typing import Any
 import gguf
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+from specdraft.loading.gguf_reader import GGUFFile
+
 # SentencePiece spells a space inside a piece as U+2581 ("▁").
 _SPACE_MARK = "\u2581"
 
@@ -83,12 +85,12 @@ class GGUFVocab:
     add_space_prefix: bool
 
 
-def _field(reader: gguf.GGUFReader, key: str, default: Any = None) -> Any:
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     found = reader.fields.get(key)
     return default if found is None else found.contents()
 
 
-def read_vocab(reader: gguf.GGUFReader) -> GGUFVocab:
+def read_vocab(reader: GGUFFile) -> GGUFVocab:
     """Collect the tokenizer metadata, filling in llama.cpp's defaults for absent flags."""
     model = _field(reader, "tokenizer.ggml.model")
     tokens = _field(reader, "tokenizer.ggml.tokens")
@@ -310,7 +312,7 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     return tokenizer
 
 
-def tokenizer_config(reader: gguf.GGUFReader, vocab: GGUFVocab) -> dict[str, Any]:
+def tokenizer_config(reader: GGUFFile, vocab: GGUFVocab) -> dict[str, Any]:
     """tokenizer_config.json content: special token strings, BOS/EOS flags, template, length."""
     config: dict[str, Any] = {
         # Lets transformers' AutoTokenizer open the folder too, not only `tokenizers`.
@@ -330,7 +332,7 @@ def tokenizer_config(reader: gguf.GGUFReader, vocab: GGUFVocab) -> dict[str, Any
     return config
 
 
-def convert_gguf_tokenizer(reader: gguf.GGUFReader, out_dir: Path) -> None:
+def convert_gguf_tokenizer(reader: GGUFFile, out_dir: Path) -> None:
     """Write tokenizer.json and tokenizer_config.json (HF layout) into out_dir."""
     vocab = read_vocab(reader)
     tokenizer = build_tokenizer(vocab)

@@ -41,6 +41,19 @@ def test_speedup_uses_prompts_both_ran():
     assert metrics.speedup(only_first, ref) == pytest.approx(2.0)
 
 
+def test_decode_time_per_token_leaves_the_prompt_out():
+    # An answer that ends early: 0.5 s of prompt weighs on its tok/s, not on its decode time.
+    ref = [row("plain", 0, 11, 1.5, ttft=0.5), row("plain", 1, 41, 4.5, ttft=0.5)]  # 1 s / 10, 4 s / 40
+    short = [row("mtp", 0, 3, 0.6, ttft=0.5), row("mtp", 1, 41, 2.5, ttft=0.5)]  # 0.1 s / 2, 2 s / 40
+    assert metrics.decode_ms_per_token(ref) == pytest.approx(1000 * 5 / 50)
+    assert metrics.decode_ms_per_token(short) == pytest.approx(1000 * 2.1 / 42)
+    assert metrics.decode_speedup(short, ref) == pytest.approx(100 / 50)
+    assert metrics.speedup(short, ref) < 1.5  # the prompt-heavy short answer drags tok/s down
+    # Prompts only one method ran, one-token answers and rows without a first-token time are left out.
+    assert metrics.decode_speedup(short + [row("mtp", 2, 5, 9.0, ttft=0.1)], ref) == pytest.approx(2.0)
+    assert metrics.decode_ms_per_token([row("hf", 0, 1, 0.5, ttft=0.5), row("hf", 1, 9, 1.0)]) is None
+
+
 def test_tau_sums_tokens_over_forwards():
     rows = [row("mtp", 0, 12, 1.0, forwards=4), row("mtp", 1, 6, 1.0, forwards=6)]
     assert metrics.tau(rows) == pytest.approx(18 / 10)

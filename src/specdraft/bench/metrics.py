@@ -15,6 +15,10 @@ Definitions (Spec-Bench's where it has one):
 - acceptance by position i: accepted drafts at i / drafts proposed at i, summed over prompts.
 - identical rate: the share of prompts whose new token ids equal the reference's exactly.
 - throughput: all new tokens / all wall time of the batches; latency: mean row seconds.
+- decode ms/token: (seconds - ttft) / (new_tokens - 1), summed over prompts: the time per token
+  once the first one is out. tokens/s counts the prompt too, which weighs more for an answer that
+  ends early (sampling ends answers at different lengths per method), and more on a slow prefill;
+  decode speedup is the reference's decode ms/token over the method's, on the prompts both ran.
 """
 
 from __future__ import annotations
@@ -88,6 +92,19 @@ def throughput(batches: list[dict]) -> float | None:
     return sum(b["new_tokens"] for b in batches) / wall if wall > 0 else None
 
 
+def decode_ms_per_token(rows: list[dict], only: set[int] | None = None) -> float | None:
+    timed = [r for r in rows if r.get("ttft") is not None and r["new_tokens"] > 1
+             and (only is None or r["index"] in only)]
+    tokens = sum(r["new_tokens"] - 1 for r in timed)
+    return 1000 * sum(r["seconds"] - r["ttft"] for r in timed) / tokens if tokens else None
+
+
+def decode_speedup(rows: list[dict], reference: list[dict]) -> float | None:
+    common = {r["index"] for r in rows} & {r["index"] for r in reference}
+    mine, theirs = decode_ms_per_token(rows, common), decode_ms_per_token(reference, common)
+    return theirs / mine if mine and theirs is not None else None
+
+
 def cell(rows: list[dict], reference: list[dict], identical_to: list[dict] | None) -> dict:
     """The numbers for one method on one slice of prompts."""
     return {
@@ -98,6 +115,8 @@ def cell(rows: list[dict], reference: list[dict], identical_to: list[dict] | Non
         "acceptance_by_position": acceptance_by_position(rows),
         "identical_rate": identical_rate(rows, identical_to) if identical_to is not None else None,
         "ttft": _mean(r.get("ttft") for r in rows),
+        "decode_ms_per_token": decode_ms_per_token(rows),
+        "decode_speedup": decode_speedup(rows, reference),
         "latency": _mean(r["seconds"] for r in rows),
         "mean_new_tokens": _mean(r["new_tokens"] for r in rows),
     }

@@ -34,8 +34,8 @@ def text_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
 
 
-OVERALL_HEADERS = ["method", "tok/s", "speedup", "tau", "identical", "TTFT ms", "latency s", "throughput tok/s",
-                   "peak RSS +MB"]
+OVERALL_HEADERS = ["method", "tok/s", "speedup", "tau", "identical", "TTFT ms", "decode ms/tok", "decode speedup",
+                   "latency s", "throughput tok/s", "peak RSS +MB"]
 
 
 def overall_rows(payload: dict, bs: str) -> list[list[str]]:
@@ -43,7 +43,8 @@ def overall_rows(payload: dict, bs: str) -> list[list[str]]:
     for name, m in payload["summary"]["batch_sizes"][bs]["methods"].items():
         o = m["overall"]
         rows.append([name, _f(o["tokens_per_second"], ".1f"), _f(o["speedup"], ".2f", suffix="x"), _f(o["tau"]),
-                     _pct(o["identical_rate"]), _f(o["ttft"], ".0f", 1000), _f(o["latency"]),
+                     _pct(o["identical_rate"]), _f(o["ttft"], ".0f", 1000), _f(o.get("decode_ms_per_token"), ".1f"),
+                     _f(o.get("decode_speedup"), ".2f", suffix="x"), _f(o["latency"]),
                      _f(m["throughput"], ".1f"), _mb(m["rss_peak_delta"])])
     return rows
 
@@ -148,7 +149,9 @@ def markdown(payload: dict) -> str:
         "tok/s is Spec-Bench's: the mean over prompts of new tokens / seconds. Speedup is a method's mean rate "
         f"over specdraft `{payload['summary']['reference']}`'s in the same run (methods interleaved batch by batch). "
         "tau: new tokens per target forward. Identical: share of prompts whose new token ids equal specdraft "
-        "plain's greedy output at batch size 1 exactly. Latency: from the start of a batch to the row's last "
+        "plain's greedy output at batch size 1 exactly. Decode ms/tok: time per new token after the first "
+        "(seconds - TTFT over new tokens - 1, summed over prompts), i.e. without the prompt; decode speedup is "
+        "the reference's over the method's. Latency: from the start of a batch to the row's last "
         "token (transformers returns a batch at once, so its rows share one). Peak RSS +MB: highest resident "
         "memory sampled while a batch generated, above the resident memory just before it.",
     ]

@@ -179,14 +179,17 @@ def test_compiled_fp16_step_is_exact_and_matches_eager(gemma_tiny: TinyModel) ->
     model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
     compact_weights(model, "fp16")
     screen_head(model)
-    # Two rows throughout: the batched graphs (batch 1 has graphs of its own, built in ~20 s
-    # each; test_quant's compiled tests cover them).
+    # Two rows: the batched graphs, then the batch-1 ones where one row finishes first.
     prompts = repetitive_prompts(gemma_tiny.cfg.vocab_size, 2)
     eager = Engine(model).generate(prompts, 16, eos_token_ids=[])
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     step = compile_steps(model, announce=False)
     assert [r.token_ids for r in Engine(model).generate(prompts, 16, eos_token_ids=[])] == [r.token_ids for r in eager]
     assert step.compile_seconds > 0
     speculative_equals_plain(model, prompts, 2)
+    # One graph per shape class (batch 1 or more, width 1 or more): positions, key extents and
+    # widths that change between steps, or sizes equal by chance, build none of their own.
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 4
 
 
 def test_fp16_weights_store_one_fp16_token_table(gemma_tiny: TinyModel) -> None:

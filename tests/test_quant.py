@@ -174,18 +174,23 @@ def test_compiled_step_matches_eager_in_float32(gemma_tiny: TinyModel) -> None:
     model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
     prompts = repetitive_prompts(gemma_tiny.cfg.vocab_size, 1)
     eager = Engine(model).generate(prompts, 16, eos_token_ids=[])
-    ids = torch.tensor([prompts[0] + eager[0].token_ids])
     n = len(prompts[0])
     with torch.inference_mode():
+        # Made in inference mode and passed as fresh tensors, like the engine's: a tensor made
+        # outside inference mode carries another dispatch key, and a slice a storage offset, which
+        # Dynamo guards on; either would cost a third graph.
+        ids = torch.tensor([prompts[0] + eager[0].token_ids])
         ref = model.logits(model(ids, model.new_cache(1, 64))[:, n:])
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         step = compile_steps(model, announce=False)
         cache = model.new_cache(1, 64)
         model(ids[:, :n], cache)  # the prompt: eager
-        got = torch.cat([model.logits(model(ids[:, t : t + 4], cache)) for t in range(n, ids.shape[1], 4)], 1)
+        got = torch.cat([model.logits(model(ids[:, t : t + 4].clone(), cache)) for t in range(n, ids.shape[1], 4)], 1)
     assert step.compile_seconds > 0  # the compiled graph really ran
     assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
     assert Engine(model).generate(prompts, 16, eos_token_ids=[])[0].token_ids == eager[0].token_ids
     speculative_equals_plain(model, prompts, 1)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2  # batch 1: width 1 and wider
 
 
 @pytest.mark.slow
@@ -193,9 +198,11 @@ def test_compiled_bf16_int8_speculative_output_equals_plain(gemma_tiny: TinyMode
     from specdraft.models.compile import compile_steps
 
     model = packed_tiny(gemma_tiny, "int8")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     step = compile_steps(model, announce=False)
     speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size, 1), 1)  # batch-1 graphs only
     assert step.compile_seconds > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2
 
 
 def test_int8_head_without_a_compiler_falls_back_to_the_packed_kernel(gemma_tiny: TinyModel, monkeypatch, capsys) -> None:

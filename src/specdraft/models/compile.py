@@ -8,7 +8,10 @@ Shapes: one graph serves every position, cache length and query width up to SHOR
 step reads positions as a tensor and the key extent as a symbolic size, and writes K/V by
 index (`IndexedWrites`), so nothing it guards on changes from one step to the next. Dynamo
 specialises sizes 0 and 1, so width 1 (plain decoding) and batch 1 get graphs of their own:
-at most four graphs per process. Prompts (wider forwards) stay eager.
+at most four graphs per process. Prompts (wider forwards) stay eager. Duck sizing is off while
+tracing: by default Dynamo assumes two sizes that happen to be equal when a graph is built are
+always equal (the rope table and the key extent, both 88; the KV heads and the rows, both 2) and
+rebuilt the graph when they parted, one to two extra graphs of tens of seconds each.
 
 Compilation costs tens of seconds per graph on a small CPU (213 s for all four graphs of Gemma 3
 270M on 2 cores); Inductor's on-disk cache (under $TORCHINDUCTOR_CACHE_DIR, default
@@ -25,6 +28,7 @@ import time
 
 import torch
 import torch._dynamo
+import torch.fx.experimental._config as fx_config
 
 from specdraft.kv_cache import SHORT_FORWARD, IndexedWrites, KVCache, attention_span
 
@@ -47,17 +51,21 @@ class CompiledStep:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         shape_class = (tokens.shape[0] == 1, tokens.shape[1] == 1)
         if shape_class in self._seen:
-            return self._step(tokens, positions, cache.span_end, cache.k, cache.v)
+            return self._call(tokens, positions, cache)
         # A graph this process has not built yet: say so, and time it apart from generation.
         if self.announce:
             print(f"specdraft: compiling the {'decode' if shape_class[1] else 'verify'} step "
                   f"(batch {'1' if shape_class[0] else '> 1'}); about 20-90 s the first time on a small CPU, "
                   "faster once cached", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        out = self._step(tokens, positions, cache.span_end, cache.k, cache.v)
+        out = self._call(tokens, positions, cache)
         self.compile_seconds += time.perf_counter() - t0
         self._seen.add(shape_class)
         return out
+
+    def _call(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        with fx_config.patch(use_duck_shape=False):  # matters only when a call traces; see the top
+            return self._step(tokens, positions, cache.span_end, cache.k, cache.v)
 
     def warm_up(self, max_batch_size: int = 1) -> float:
         """Build the graphs a run up to `max_batch_size` rows will use, on a scratch cache; returns seconds."""

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import save_file
 
 from specdraft.errors import SpecdraftError
-from specdraft.loading.gguf_reader import GGUFFile
 from specdraft.loading.gguf_blocks import BLOCKS_FILE, SUPPORTED_BLOCK_FORMATS, decode_blocks, save_blocks
+from specdraft.loading.gguf_reader import GGUFFile
 from specdraft.loading.weights import text_decoder_weights
 from specdraft.models.block_linear import Blocks
 

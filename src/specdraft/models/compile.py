@@ -51,21 +51,20 @@ class CompiledStep:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         shape_class = (tokens.shape[0] == 1, tokens.shape[1] == 1)
         if shape_class in self._seen:
-            return self._call(tokens, positions, cache)
+            return self._step(tokens, positions, cache.span_end, cache.k, cache.v)
         # A graph this process has not built yet: say so, and time it apart from generation.
         if self.announce:
             print(f"specdraft: compiling the {'decode' if shape_class[1] else 'verify'} step "
                   f"(batch {'1' if shape_class[0] else '> 1'}); about 20-90 s the first time on a small CPU, "
                   "faster once cached", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        out = self._call(tokens, positions, cache)
+        # Only a graph's first trace needs duck sizing off (see the top); later steps call the
+        # graph as is (the patch costs tens of microseconds a call).
+        with fx_config.patch(use_duck_shape=False):
+            out = self._step(tokens, positions, cache.span_end, cache.k, cache.v)
         self.compile_seconds += time.perf_counter() - t0
         self._seen.add(shape_class)
         return out
-
-    def _call(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        with fx_config.patch(use_duck_shape=False):  # matters only when a call traces; see the top
-            return self._step(tokens, positions, cache.span_end, cache.k, cache.v)
 
     def warm_up(self, max_batch_size: int = 1) -> float:
         """Build the graphs a run up to `max_batch_size` rows will use, on a scratch cache; returns seconds."""

@@ -127,3 +127,42 @@ def test_another_weight_format_is_compared_with_its_own_plain_output():
     assert one["auto:gguf-q8"]["overall"]["identical_rate"] == 1.0  # against plain:gguf-q8, not plain
     assert one["plain:gguf-q8"]["overall"]["identical_rate"] == 1.0
     assert one["mtp:int8"]["overall"]["identical_rate"] is None  # no plain:int8 in the run
+
+
+def test_speedup_interval_is_a_paired_bootstrap():
+    ref = [row("plain", i, 10, 1.0 + i) for i in range(6)]
+    # Twice as fast on every prompt: every draw reads 2.0, however uneven the prompts are.
+    assert metrics.speedup_interval([row("mtp", i, 10, (1.0 + i) / 2) for i in range(6)], ref) == pytest.approx((2.0, 2.0))
+    # Faster on some prompts only: the interval holds the point estimate, has width, and reads the
+    # same on every call (a fixed seed), and only common prompts count.
+    mixed = [row("mtp", i, 10, (1.0 + i) / (3 if i % 2 else 1)) for i in range(6)]
+    low, high = metrics.speedup_interval(mixed, ref)
+    assert low < metrics.speedup(mixed, ref) < high and high - low > 0.1
+    assert metrics.speedup_interval(mixed, ref) == (low, high)
+    assert metrics.speedup_interval(mixed + [row("mtp", 9, 10, 0.01)], ref) == (low, high)
+    assert metrics.speedup_interval([row("mtp", 9, 10, 1.0)], ref) is None
+
+
+def test_auto_is_held_against_the_best_fixed_method_per_category():
+    rows = []
+    for i, cat in enumerate(["a", "a", "b", "b"]):
+        rows += [row("plain", i, 10, 1.0, category=cat),
+                 row("mtp", i, 10, 0.5 if cat == "a" else 0.9, category=cat),  # 2x in a, 1.11x in b
+                 row("ngram", i, 10, 0.8, category=cat),  # 1.25x
+                 row("llama-cpp", i, 10, 0.1, category=cat),  # a peer: never the "best fixed"
+                 row("mtp:int8", i, 10, 0.1, category=cat),  # other weights: nor this
+                 row("auto", i, 10, 0.4, category=cat)]  # 2.5x
+    s = metrics.summarize(rows, [])["batch_sizes"]["1"]["methods"]
+    best = s["auto"]["against_best_fixed"]
+    assert best["categories"]["a"]["method"] == "mtp" and best["categories"]["a"]["ratio"] == pytest.approx(1.25)
+    assert best["categories"]["b"]["method"] == "ngram" and best["categories"]["b"]["ratio"] == pytest.approx(2.0)
+    assert best["overall"]["method"] == "mtp" and best["overall"]["best_speedup"] == pytest.approx((20 + 10 / 0.9) / 2 / 10)
+    assert best["categories"]["a"]["interval"] == pytest.approx((1.25, 1.25))
+    assert "against_best_fixed" not in s["mtp"]
+
+    from specdraft.bench.report import best_fixed_rows
+
+    payload = {"summary": metrics.summarize(rows, []), "questions": [{"category": "a"}, {"category": "b"}]}
+    headers, table = best_fixed_rows(payload, "1", "auto")
+    assert [r[0] for r in table] == ["a", "b", "overall"]
+    assert table[0][3:] == ["`mtp`", "2.00x", "1.25x (1.25-1.25)"]

@@ -19,12 +19,24 @@ Definitions (Spec-Bench's where it has one):
   once the first one is out. tokens/s counts the prompt too, which weighs more for an answer that
   ends early (sampling ends answers at different lengths per method), and more on a slow prefill;
   decode speedup is the reference's decode ms/token over the method's, on the prompts both ran.
+- speedup interval: a paired bootstrap over the prompts both ran (the same draw of prompts for
+  both methods, the ratio of mean rates per draw), the middle 90% of the draws. It shows how much
+  a cell's speedup rests on which prompts it has (and on each prompt's own timing noise); it
+  cannot show a machine drifting over a run, which interleaving the methods is there for.
+- against the best fixed method (an adaptive method, `auto`): per category, the fixed specdraft
+  method with the highest speedup there (plain included; peers and other weight formats not),
+  and the adaptive method's speedup over it, with its interval. The best is picked on the same
+  prompts, which flatters it: with equal methods, the highest of several noisy cells is high.
 """
 
 from __future__ import annotations
 
+import random
 from collections import defaultdict
 from statistics import fmean
+
+INTERVAL_LEVEL = 0.9
+BOOTSTRAP_DRAWS = 1000
 
 
 def _mean(values) -> float | None:
@@ -54,6 +66,28 @@ def speedup(rows: list[dict], reference: list[dict]) -> float | None:
     common = {r["index"] for r in rows} & {r["index"] for r in reference}
     num, den = mean_rate(rows, common), mean_rate(reference, common)
     return num / den if num is not None and den else None
+
+
+def speedup_interval(rows: list[dict], reference: list[dict], level: float = INTERVAL_LEVEL,
+                     draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> tuple[float, float] | None:
+    """(low, high): the middle `level` of speedup(rows, reference) over bootstrap draws of the prompts
+    both ran, each draw taking the same prompts for both (paired). None without common prompts."""
+    mine, theirs = per_prompt_rates(rows), per_prompt_rates(reference)
+    pairs = [(mine[i], theirs[i]) for i in sorted(mine.keys() & theirs.keys())]
+    if not pairs:
+        return None
+    rng = random.Random(seed)  # fixed: a report reads the same every time it is rebuilt
+    ratios = []
+    for _ in range(draws):
+        drawn = rng.choices(pairs, k=len(pairs))
+        den = sum(b for _, b in drawn)
+        if den > 0:
+            ratios.append(sum(a for a, _ in drawn) / den)
+    if not ratios:
+        return None
+    ratios.sort()
+    tail = (1 - level) / 2 * (len(ratios) - 1)
+    return ratios[int(tail)], ratios[len(ratios) - 1 - int(tail)]
 
 
 def tau(rows: list[dict]) -> float | None:
@@ -111,6 +145,7 @@ def cell(rows: list[dict], reference: list[dict], identical_to: list[dict] | Non
         "prompts": len({r["index"] for r in rows}),
         "tokens_per_second": mean_rate(rows),
         "speedup": speedup(rows, reference),
+        "speedup_interval": speedup_interval(rows, reference),
         "tau": tau(rows),
         "acceptance_by_position": acceptance_by_position(rows),
         "identical_rate": identical_rate(rows, identical_to) if identical_to is not None else None,
@@ -120,6 +155,28 @@ def cell(rows: list[dict], reference: list[dict], identical_to: list[dict] | Non
         "latency": _mean(r["seconds"] for r in rows),
         "mean_new_tokens": _mean(r["new_tokens"] for r in rows),
     }
+
+
+def fixed_methods(methods: list[str], adaptive: str) -> list[str]:
+    """The methods an adaptive one is held against: specdraft's fixed methods (plain included) with
+    the same weight format; not peers, not other adaptive ones."""
+    from specdraft.bench import SPECDRAFT_METHODS, method_weights, split_method
+
+    kind = lambda m: split_method(m)[0]  # noqa: E731
+    return [m for m in methods if kind(m) in SPECDRAFT_METHODS and kind(m) != "auto"
+            and method_weights(m) == method_weights(adaptive)]
+
+
+def against_best_fixed(rows: list[dict], fixed: dict[str, list[dict]], reference: list[dict]) -> dict | None:
+    """An adaptive method's rows of one slice against the fixed methods' rows of the same slice: the
+    fastest of those over the reference, and the adaptive method's speedup over it."""
+    speeds = {m: speedup(r, reference) for m, r in fixed.items() if r}
+    speeds = {m: v for m, v in speeds.items() if v is not None}
+    if not rows or not speeds:
+        return None
+    best = max(speeds, key=speeds.get)
+    return {"method": best, "best_speedup": speeds[best], "ratio": speedup(rows, fixed[best]),
+            "interval": speedup_interval(rows, fixed[best])}
 
 
 def _ordered(values) -> list:
@@ -133,7 +190,7 @@ def summarize(rows: list[dict], batches: list[dict], reference: str = "plain", g
     (the canonical greedy output), else at the same batch size; a method with another weight
     format (METHOD:WEIGHTS) against `reference:WEIGHTS` (the same weights' plain output), None
     if the run lacks it; None when sampling."""
-    from specdraft.bench import method_weights
+    from specdraft.bench import method_weights, split_method
 
     def canonical(method: str, bs: int) -> list[dict] | None:
         weights = method_weights(method)
@@ -163,5 +220,20 @@ def summarize(rows: list[dict], batches: list[dict], reference: str = "plain", g
             cuda = [b.get("cuda_peak") for b in mine_batches if b.get("cuda_peak") is not None]
             entry["cuda_peak"] = max(cuda) if cuda else None
             methods[m] = entry
+        for m in methods:
+            if split_method(m)[0] == "auto":
+                methods[m]["against_best_fixed"] = _against_best_fixed(rows_bs, m, fixed_methods(list(methods), m), ref)
         out["batch_sizes"][str(bs)] = {"methods": methods}
     return out
+
+
+def _against_best_fixed(rows: list[dict], adaptive: str, fixed: list[str], reference: list[dict]) -> dict:
+    """against_best_fixed overall and per category, for one batch size's rows."""
+    def part(keep) -> dict | None:
+        return against_best_fixed([r for r in rows if r["method"] == adaptive and keep(r)],
+                                  {m: [r for r in rows if r["method"] == m and keep(r)] for m in fixed},
+                                  [r for r in reference if keep(r)])
+
+    categories = _ordered(r["category"] for r in rows if r["method"] == adaptive)
+    return {"overall": part(lambda r: True),
+            "categories": {c: part(lambda r, c=c: r["category"] == c) for c in categories}}

@@ -8,6 +8,12 @@ from pathlib import Path
 from specdraft.bench.questions import PLAIN_TEMPLATE
 
 MB = 1024 * 1024
+BEST_FIXED_NOTE = (
+    "In brackets: the middle 90% of a paired bootstrap over the category's prompts (both methods on the "
+    "same draw of prompts), i.e. how far the cell moves with the prompts it happens to have; it does not "
+    "cover the machine's drift over the run. The best fixed method is the fastest of the run's specdraft "
+    "methods other than the adaptive one (plain included, same weights) in that category, picked on the "
+    "same prompts, which flatters it.")
 
 
 def _f(x, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
@@ -61,6 +67,31 @@ def category_rows(payload: dict, bs: str) -> tuple[list[str], list[list[str]]]:
         row = [c, str(base.get("prompts", "-")), _f(base.get("tokens_per_second"), ".1f")]
         row += [_f((cells[m] or {}).get("speedup"), ".2f", suffix="x") for m in methods if m != ref]
         rows.append(row)
+    return headers, rows
+
+
+def _x(value, interval) -> str:
+    """'1.32x (1.17-1.48)': a speedup and its bootstrap interval (metrics.speedup_interval)."""
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" + (f" ({interval[0]:.2f}-{interval[1]:.2f})" if interval else "")
+
+
+def best_fixed_rows(payload: dict, bs: str, method: str) -> tuple[list[str], list[list[str]]]:
+    """An adaptive method against the reference and against the best fixed method, per category."""
+    summary = payload["summary"]
+    ref, entry = summary["reference"], summary["batch_sizes"][bs]["methods"][method]
+    categories = list(dict.fromkeys(q["category"] for q in payload["questions"]))
+    headers = ["category", "n", f"`{method}` vs {ref}", "best fixed method", "its speedup", f"`{method}` vs it"]
+    rows = []
+    for c in categories + ["overall"]:
+        mine = entry["overall"] if c == "overall" else entry["categories"].get(c)
+        best = entry["against_best_fixed"]["overall" if c == "overall" else "categories"]
+        best = best if c == "overall" else best.get(c)
+        if mine is None or best is None:
+            continue
+        rows.append([c, str(mine["prompts"]), _x(mine["speedup"], mine.get("speedup_interval")), f"`{best['method']}`",
+                     _x(best["best_speedup"], None), _x(best["ratio"], best["interval"])])
     return headers, rows
 
 
@@ -175,6 +206,12 @@ def _detail_sections(payload: dict, sizes: list[str]) -> list[str]:
     h, r = acceptance_rows(payload, first)
     if r:
         out += ["", f"## Acceptance by draft position (batch size {first})", "", markdown_table(h, r)]
+    for bs in sizes:
+        for method, entry in payload["summary"]["batch_sizes"][bs]["methods"].items():
+            if entry.get("against_best_fixed"):
+                h, r = best_fixed_rows(payload, bs, method)
+                out += ["", f"## `{method}` against the reference and the best fixed method (batch size {bs})", "",
+                        BEST_FIXED_NOTE, "", markdown_table(h, r)]
     if len(sizes) > 1:
         h, r = sweep_rows(payload)
         out += ["", "## Batch sweep: total throughput and mean latency", "", markdown_table(h, r)]
@@ -210,6 +247,12 @@ def text_summary(payload: dict) -> str:
         h, r = category_rows(payload, sizes[0])
         if len(r) > 2:
             parts += ["speedup by category:", text_table(h, r), ""]
+        for bs in sizes:
+            for method, entry in payload["summary"]["batch_sizes"][bs]["methods"].items():
+                if entry.get("against_best_fixed"):
+                    h, r = best_fixed_rows(payload, bs, method)
+                    parts += [f"{method} against the best fixed method, batch size {bs} (90% bootstrap intervals):",
+                              text_table(h, r), ""]
     else:
         parts.append("no measurements")
     if payload.get("interrupted"):

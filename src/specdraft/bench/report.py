@@ -77,12 +77,14 @@ def _x(value, interval) -> str:
     return f"{value:.2f}x" + (f" ({interval[0]:.2f}-{interval[1]:.2f})" if interval else "")
 
 
-def best_fixed_rows(payload: dict, bs: str, method: str) -> tuple[list[str], list[list[str]]]:
-    """An adaptive method against the reference and against the best fixed method, per category."""
+def best_fixed_rows(payload: dict, bs: str, method: str, code: bool = True) -> tuple[list[str], list[list[str]]]:
+    """An adaptive method against the reference and against the best fixed method, per category
+    (`code`: method names in backticks, for markdown)."""
+    q = (lambda name: f"`{name}`") if code else (lambda name: name)  # noqa: E731
     summary = payload["summary"]
     ref, entry = summary["reference"], summary["batch_sizes"][bs]["methods"][method]
     categories = list(dict.fromkeys(q["category"] for q in payload["questions"]))
-    headers = ["category", "n", f"`{method}` vs {ref}", "best fixed method", "its speedup", f"`{method}` vs it"]
+    headers = ["category", "n", f"{q(method)} vs {ref}", "best fixed method", "its speedup", f"{q(method)} vs it"]
     rows = []
     for c in categories + ["overall"]:
         mine = entry["overall"] if c == "overall" else entry["categories"].get(c)
@@ -90,7 +92,7 @@ def best_fixed_rows(payload: dict, bs: str, method: str) -> tuple[list[str], lis
         best = best if c == "overall" else best.get(c)
         if mine is None or best is None:
             continue
-        rows.append([c, str(mine["prompts"]), _x(mine["speedup"], mine.get("speedup_interval")), f"`{best['method']}`",
+        rows.append([c, str(mine["prompts"]), _x(mine["speedup"], mine.get("speedup_interval")), q(best["method"]),
                      _x(best["best_speedup"], None), _x(best["ratio"], best["interval"])])
     return headers, rows
 
@@ -250,7 +252,7 @@ def text_summary(payload: dict) -> str:
         for bs in sizes:
             for method, entry in payload["summary"]["batch_sizes"][bs]["methods"].items():
                 if entry.get("against_best_fixed"):
-                    h, r = best_fixed_rows(payload, bs, method)
+                    h, r = best_fixed_rows(payload, bs, method, code=False)
                     parts += [f"{method} against the best fixed method, batch size {bs} (90% bootstrap intervals):",
                               text_table(h, r), ""]
     else:

@@ -141,11 +141,24 @@ def test_speedup_interval_is_a_paired_bootstrap():
     assert metrics.speedup_interval(mixed, ref) == (low, high)
     assert metrics.speedup_interval(mixed + [row("mtp", 9, 10, 0.01)], ref) == (low, high)
     assert metrics.speedup_interval([row("mtp", 9, 10, 1.0)], ref) is None
+    assert metrics.speedup_interval(mixed[:2], ref) is None  # 2 measurements: too few for an interval
+
+
+def test_speedup_interval_draws_whole_batches():
+    """Rows of one batch share its timing: a batch is drawn whole, so 3 batches of 2 prompts give
+    the interval of 3 one-prompt batches carrying the pairs' summed rates, and 2 batches give none."""
+    ref = [row("plain", i, 10, 1.0 + i, bs=2) for i in range(6)]
+    mine = [row("mtp", i, 10, (1.0 + i) / (3 if i < 2 else 1.5), bs=2) for i in range(6)]
+    pair_sum = lambda rows, i: metrics.row_rate(rows[2 * i]) + metrics.row_rate(rows[2 * i + 1])  # noqa: E731
+    ref1 = [row("plain", i, pair_sum(ref, i), 1.0, tokens=[]) for i in range(3)]
+    mine1 = [row("mtp", i, pair_sum(mine, i), 1.0, tokens=[]) for i in range(3)]
+    assert metrics.speedup_interval(mine, ref) == pytest.approx(metrics.speedup_interval(mine1, ref1))
+    assert metrics.speedup_interval(mine[:4], ref[:4]) is None
 
 
 def test_auto_is_held_against_the_best_fixed_method_per_category():
     rows = []
-    for i, cat in enumerate(["a", "a", "b", "b"]):
+    for i, cat in enumerate(["a", "a", "a", "b", "b", "b"]):
         rows += [row("plain", i, 10, 1.0, category=cat),
                  row("mtp", i, 10, 0.5 if cat == "a" else 0.9, category=cat),  # 2x in a, 1.11x in b
                  row("ngram", i, 10, 0.8, category=cat),  # 1.25x

@@ -168,6 +168,33 @@ def test_skipped_peers_reported_in_outputs(tiny_folder, questions_file, tmp_path
     assert json.loads((out / "results.json").read_text())["skipped"] == payload["skipped"]
 
 
+def test_report_from_rebuilds_a_finished_runs_tables(tiny_folder, questions_file, tmp_path, capsys):
+    """--report-from measures nothing: the tables come back from the raw records alone."""
+    from specdraft.bench.runner import BenchConfig, run_bench
+    from specdraft.cli.main import main
+
+    out = tmp_path / "out"
+    run_bench(BenchConfig(questions=questions_file, model=str(tiny_folder), limit_per_category=1, methods=["ngram"],
+                          max_new_tokens=4, dtype="float32", device="cpu", out=out, progress=False, plots=False,
+                          warmup=False))
+    md = (out / "results.md").read_text()
+    raw = json.loads((out / "results.json").read_text())
+    summary = raw.pop("summary")
+    (out / "results.json").write_text(json.dumps(raw))  # an older run's summary: gone or stale
+    (out / "results.md").unlink()
+    assert main(["bench", "--report-from", str(out), "--no-plots"]) == 0
+    assert (out / "results.md").read_text() == md
+    assert json.loads((out / "results.json").read_text())["summary"] == json.loads(json.dumps(summary))
+    assert "rewrote" in capsys.readouterr().out
+    for argv, needle in ((["bench", "--report-from", str(tmp_path / "none")], "does not exist"),
+                         (["bench"], "--questions is required")):
+        assert main(argv) != 0
+        assert needle in capsys.readouterr().err
+    (out / "results.json").write_text("{}")
+    assert main(["bench", "--report-from", str(out)]) != 0
+    assert "not a `specdraft bench` results file" in capsys.readouterr().err
+
+
 def test_questions_formats_and_selection(tmp_path, ctx):
     txt = tmp_path / "prompts.txt"
     txt.write_text("w1 w2\n\nw3\n")

@@ -19,10 +19,11 @@ Definitions (Spec-Bench's where it has one):
   once the first one is out. tokens/s counts the prompt too, which weighs more for an answer that
   ends early (sampling ends answers at different lengths per method), and more on a slow prefill;
   decode speedup is the reference's decode ms/token over the method's, on the prompts both ran.
-- speedup interval: a paired bootstrap over the prompts both ran (the same draw of prompts for
-  both methods, the ratio of mean rates per draw), the middle 90% of the draws. It shows how much
-  a cell's speedup rests on which prompts it has (and on each prompt's own timing noise); it
-  cannot show a machine drifting over a run, which interleaving the methods is there for.
+- speedup interval: a paired bootstrap over the batches both ran (whole batches, as a batch's rows
+  share one timing; the same draw for both methods; the ratio of mean rates per draw), the middle
+  90% of the draws, for cells of 3 batches or more. It shows how much a cell's speedup rests on
+  which prompts it has (and on each batch's own timing noise); it cannot show a machine drifting
+  over a run, which interleaving the methods is there for.
 - against the best fixed method (an adaptive method, `auto`): per category, the fixed specdraft
   method with the highest speedup there (plain included; peers and other weight formats not),
   and the adaptive method's speedup over it, with its interval. The best is picked on the same
@@ -37,6 +38,7 @@ from statistics import fmean
 
 INTERVAL_LEVEL = 0.9
 BOOTSTRAP_DRAWS = 1000
+MIN_BATCHES = 3  # fewer measurements than this in a cell: no interval
 
 
 def _mean(values) -> float | None:
@@ -71,15 +73,21 @@ def speedup(rows: list[dict], reference: list[dict]) -> float | None:
 def speedup_interval(rows: list[dict], reference: list[dict], level: float = INTERVAL_LEVEL,
                      draws: int = BOOTSTRAP_DRAWS, seed: int = 0) -> tuple[float, float] | None:
     """(low, high): the middle `level` of speedup(rows, reference) over bootstrap draws of the prompts
-    both ran, each draw taking the same prompts for both (paired). None without common prompts."""
+    both ran. A draw takes whole batches (rows of one generate call share its timing, so a batch is
+    one measurement, not B; at batch size 1 a batch is a prompt) and the same batches for both
+    methods (paired). None with fewer than MIN_BATCHES batches: no interval worth printing."""
     mine, theirs = per_prompt_rates(rows), per_prompt_rates(reference)
-    pairs = [(mine[i], theirs[i]) for i in sorted(mine.keys() & theirs.keys())]
-    if not pairs:
+    batch_of = {r["index"]: r.get("batch", r["index"]) for r in reference}  # the same batches for every method
+    units: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for i in sorted(mine.keys() & theirs.keys()):
+        units[batch_of[i]].append((mine[i], theirs[i]))
+    if len(units) < MIN_BATCHES:
         return None
+    sums = [(sum(a for a, _ in u), sum(b for _, b in u)) for u in units.values()]
     rng = random.Random(seed)  # fixed: a report reads the same every time it is rebuilt
     ratios = []
     for _ in range(draws):
-        drawn = rng.choices(pairs, k=len(pairs))
+        drawn = rng.choices(sums, k=len(sums))
         den = sum(b for _, b in drawn)
         if den > 0:
             ratios.append(sum(a for a, _ in drawn) / den)

@@ -9,9 +9,10 @@ from specdraft.bench.questions import PLAIN_TEMPLATE
 
 MB = 1024 * 1024
 BEST_FIXED_NOTE = (
-    "In brackets: the middle 90% of a paired bootstrap over the category's prompts (both methods on the "
-    "same draw of prompts), i.e. how far the cell moves with the prompts it happens to have; it does not "
-    "cover the machine's drift over the run. The best fixed method is the fastest of the run's specdraft "
+    "In brackets: the middle 90% of a paired bootstrap over the category's batches (both methods on the "
+    "same draw; a batch's rows share one timing, so a batch counts once; none under 3 batches), i.e. how "
+    "far the cell moves with the prompts it happens to have; it does not cover the machine's drift over "
+    "the run. The best fixed method is the fastest of the run's specdraft "
     "methods other than the adaptive one (plain included, same weights) in that category, picked on the "
     "same prompts, which flatters it.")
 

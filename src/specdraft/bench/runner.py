@@ -7,6 +7,7 @@ land on all methods alike instead of on whichever ran last.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -323,4 +324,24 @@ def run_bench(cfg: BenchConfig) -> dict:
         "max_rss": memory.max_rss_bytes(),
     }
     report.write_all(cfg.out, payload, plots=cfg.plots)
+    return payload
+
+
+def rebuild_report(folder: Path, plots: bool = True) -> dict:
+    """Recompute a finished run's tables from the raw records in folder/results.json with this
+    version's arithmetic (metrics.py) and rewrite results.json, results.md and the plots; nothing
+    is measured again."""
+    from specdraft.bench import report
+
+    path = folder / "results.json"
+    if not path.is_file():
+        raise SpecdraftError(f"{path} does not exist (--report-from takes the --out folder of a finished run)")
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+        rows, batches, config = payload["rows"], payload["batches"], payload["config"]
+        reference = payload.get("summary", {}).get("reference", REFERENCE)
+        payload["summary"] = metrics.summarize(rows, batches, reference, config["temperature"] == 0)
+    except (ValueError, KeyError, TypeError) as e:
+        raise SpecdraftError(f"{path} is not a `specdraft bench` results file ({type(e).__name__}: {e})") from None
+    report.write_all(folder, payload, plots=plots)
     return payload

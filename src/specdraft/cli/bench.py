@@ -57,9 +57,9 @@ prompt format: the model's chat template when it has one, else the plain templat
 (Spec-Bench files: the first turn of each question.)""",
     )
     add_model_args(p)
-    p.add_argument("--questions", type=Path, required=True,
+    p.add_argument("--questions", type=Path, default=None,
                    help="Spec-Bench question.jsonl (question_id, category, turns), JSONL with \"prompt\", "
-                        "or a text file with one prompt per line (category \"all\")")
+                        "or a text file with one prompt per line (category \"all\"); required unless --report-from")
     p.add_argument("--categories", type=_name_list, default=None, help="comma-separated categories to keep")
     p.add_argument("--limit-per-category", type=int, default=None, help="first N questions of each category")
     p.add_argument("--methods", type=_name_list, default=list(DEFAULT_METHODS),
@@ -84,6 +84,9 @@ prompt format: the model's chat template when it has one, else the plain templat
     p.add_argument("--out", type=Path, default=Path("bench-out"),
                    help="folder for results.json, results.md and the PNG plots (default bench-out)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--report-from", type=Path, default=None, metavar="FOLDER",
+                   help="measure nothing: rebuild FOLDER's results.md, plots and the summary in its results.json "
+                        "from the run's raw records with this version's tables (e.g. a run from an older version)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -92,8 +95,16 @@ def run(args) -> int:
     from specdraft.bench import ALL_METHODS, DRAFTER_METHODS, SPECDRAFT_METHODS, method_weights, split_method
     from specdraft.device import WEIGHT_CHOICES
     from specdraft.bench.report import text_summary
-    from specdraft.bench.runner import BenchConfig, run_bench
+    from specdraft.bench.runner import BenchConfig, rebuild_report, run_bench
 
+    if args.report_from is not None:
+        payload = rebuild_report(args.report_from, plots=not args.no_plots)
+        print(text_summary(payload))
+        print(f"\nrewrote {args.report_from / 'results.json'}, {args.report_from / 'results.md'}"
+              + "".join(f", {args.report_from / p}" for p in payload["plots"]))
+        return 0
+    if args.questions is None:
+        raise SpecdraftError("--questions is required (a question file to measure), unless --report-from FOLDER")
     unknown = [m for m in args.methods if split_method(m)[0] not in ALL_METHODS]
     if unknown:
         raise SpecdraftError(f"unknown method(s) {', '.join(unknown)} (choose from {', '.join(ALL_METHODS)})")

@@ -178,6 +178,7 @@ def test_report_from_rebuilds_a_finished_runs_tables(tiny_folder, questions_file
                           max_new_tokens=4, dtype="float32", device="cpu", out=out, progress=False, plots=False,
                           warmup=False))
     md = (out / "results.md").read_text()
+    assert "against the reference and the best fixed method" not in md  # no `auto` in the run
     raw = json.loads((out / "results.json").read_text())
     summary = raw.pop("summary")
     (out / "results.json").write_text(json.dumps(raw))  # an older run's summary: gone or stale
@@ -193,6 +194,22 @@ def test_report_from_rebuilds_a_finished_runs_tables(tiny_folder, questions_file
     (out / "results.json").write_text("{}")
     assert main(["bench", "--report-from", str(out)]) != 0
     assert "not a `specdraft bench` results file" in capsys.readouterr().err
+
+
+def test_a_run_with_auto_reports_it_against_the_best_fixed_method(tiny_folder, questions_file, tmp_path):
+    """The never-slower table: in results.md and in the printed summary, per category and overall."""
+    from specdraft.bench.report import text_summary
+    from specdraft.bench.runner import BenchConfig, run_bench
+
+    out = tmp_path / "out"
+    payload = run_bench(BenchConfig(questions=questions_file, model=str(tiny_folder), methods=["auto", "ngram"],
+                                    max_new_tokens=4, dtype="float32", device="cpu", out=out, progress=False,
+                                    plots=False, warmup=False))
+    best = payload["summary"]["batch_sizes"]["1"]["methods"]["auto"]["against_best_fixed"]
+    assert best["overall"]["method"] in ("plain", "ngram") and set(best["categories"]) == {"coding", "writing"}
+    md = (out / "results.md").read_text()
+    assert "## `auto` against the reference and the best fixed method (batch size 1)" in md
+    assert "auto against the best fixed method, batch size 1" in text_summary(payload)
 
 
 def test_questions_formats_and_selection(tmp_path, ctx):

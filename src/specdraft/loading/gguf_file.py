@@ -55,17 +55,9 @@ def open_gguf(path: Path) -> GGUFFile:
         raise SpecdraftError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e}); is it truncated or corrupt?") from None
 
 
-def field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    value = f.contents()
-    return value
-
-
 def _hf_config(reader, arch: str, has_output: bool, vocab_size: int) -> dict[str, Any]:
     def a(key: str, default: Any = None) -> Any:
-        return field(reader, f"{arch}.{key}", default)
+        return reader.value(f"{arch}.{key}", default)
 
     heads = int(a("attention.head_count"))
     hidden = int(a("embedding_length"))
@@ -81,9 +73,9 @@ def _hf_config(reader, arch: str, has_output: bool, vocab_size: int) -> dict[str
         "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(a("context_length", 8192)),
         "tie_word_embeddings": not has_output,
-        "bos_token_id": field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": field(reader, "tokenizer.ggml.eos_token_id"),
-        "pad_token_id": field(reader, "tokenizer.ggml.padding_token_id"),
+        "bos_token_id": reader.value("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": reader.value("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": reader.value("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
     theta = float(a("rope.freq_base", 10000.0))
@@ -118,16 +110,16 @@ def _hf_config(reader, arch: str, has_output: bool, vocab_size: int) -> dict[str
 
 
 def _rope_scaling(reader, arch: str) -> dict[str, Any]:
-    kind = field(reader, f"{arch}.rope.scaling.type")
+    kind = reader.value(f"{arch}.rope.scaling.type")
     if kind in (None, "none"):
         return {}
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(field(reader, f"{arch}.rope.scaling.factor"))}
+        return {"rope_type": "linear", "factor": float(reader.value(f"{arch}.rope.scaling.factor"))}
     if kind == "yarn":
         return {
             "rope_type": "yarn",
-            "factor": float(field(reader, f"{arch}.rope.scaling.factor")),
-            "original_max_position_embeddings": int(field(reader, f"{arch}.rope.scaling.original_context_length")),
+            "factor": float(reader.value(f"{arch}.rope.scaling.factor")),
+            "original_max_position_embeddings": int(reader.value(f"{arch}.rope.scaling.original_context_length")),
         }
     raise SpecdraftError(f"GGUF rope scaling type {kind!r} is not supported")
 
@@ -179,8 +171,8 @@ def read_blocks(path: Path, reader: GGUFFile | None = None) -> dict[str, Blocks]
     (`layers.3.self_attn.q_proj.weight`, `embed_tokens.weight`); other tensors are left out.
     `reader`: the file already opened (open_gguf)."""
     reader = reader if reader is not None else open_gguf(path)
-    arch = field(reader, "general.architecture")
-    heads = {"q": field(reader, f"{arch}.attention.head_count"), "k": field(reader, f"{arch}.attention.head_count_kv")}
+    arch = reader.value("general.architecture")
+    heads = {"q": reader.value(f"{arch}.attention.head_count"), "k": reader.value(f"{arch}.attention.head_count_kv")}
     found: dict[str, Blocks] = {}
     for t in reader.tensors:
         fmt = t.tensor_type.name
@@ -211,7 +203,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> None:
     from specdraft.loading.gguf_tokenizer import convert_gguf_tokenizer
 
     reader = open_gguf(path)
-    arch = field(reader, "general.architecture")
+    arch = reader.value("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise SpecdraftError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
     names = {t.name for t in reader.tensors}

@@ -74,6 +74,11 @@ class GGUFFile:
         start = -(-self._pos // alignment) * alignment
         self.tensors = [self._tensor(start, *info) for info in infos]
 
+    def value(self, key: str, default: Any = None) -> Any:
+        """A metadata field's contents (a number, string or list), or `default` where the file lacks it."""
+        found = self.fields.get(key)
+        return default if found is None else found.contents()
+
     # -- header primitives (each raises on a header that runs past the end of the file)
 
     def _bytes(self, n: int) -> bytes:

@@ -85,32 +85,27 @@ class GGUFVocab:
     add_space_prefix: bool
 
 
-def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
-    found = reader.fields.get(key)
-    return default if found is None else found.contents()
-
-
 def read_vocab(reader: GGUFFile) -> GGUFVocab:
     """Collect the tokenizer metadata, filling in llama.cpp's defaults for absent flags."""
-    model = _field(reader, "tokenizer.ggml.model")
-    tokens = _field(reader, "tokenizer.ggml.tokens")
+    model = reader.value("tokenizer.ggml.model")
+    tokens = reader.value("tokenizer.ggml.tokens")
     if model is None or tokens is None:
         raise ValueError("GGUF file has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens missing)")
-    special_ids = {name: _field(reader, key) for name, key in _SPECIAL_TOKEN_KEYS.items()}
+    special_ids = {name: reader.value(key) for name, key in _SPECIAL_TOKEN_KEYS.items()}
     return GGUFVocab(
-        architecture=_field(reader, "general.architecture", ""),
+        architecture=reader.value("general.architecture", ""),
         model=model,
-        pre=_field(reader, "tokenizer.ggml.pre"),
+        pre=reader.value("tokenizer.ggml.pre"),
         tokens=tokens,
         # Old files lack types; treating everything as normal keeps them usable.
-        token_types=_field(reader, "tokenizer.ggml.token_type") or [_NORMAL] * len(tokens),
-        scores=_field(reader, "tokenizer.ggml.scores"),
-        merges=_field(reader, "tokenizer.ggml.merges"),
+        token_types=reader.value("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens),
+        scores=reader.value("tokenizer.ggml.scores"),
+        merges=reader.value("tokenizer.ggml.merges"),
         special_ids={name: i for name, i in special_ids.items() if i is not None and 0 <= i < len(tokens)},
         # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise.
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", model == "llama")),
-        add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
-        add_space_prefix=bool(_field(reader, "tokenizer.ggml.add_space_prefix", model == "llama")),
+        add_bos=bool(reader.value("tokenizer.ggml.add_bos_token", model == "llama")),
+        add_eos=bool(reader.value("tokenizer.ggml.add_eos_token", False)),
+        add_space_prefix=bool(reader.value("tokenizer.ggml.add_space_prefix", model == "llama")),
     )
 
 
@@ -323,10 +318,10 @@ def tokenizer_config(reader: GGUFFile, vocab: GGUFVocab) -> dict[str, Any]:
         config[name] = vocab.tokens[token_id] if token_id is not None else None
     config["add_bos_token"] = vocab.add_bos
     config["add_eos_token"] = vocab.add_eos
-    template = _field(reader, "tokenizer.chat_template")
+    template = reader.value("tokenizer.chat_template")
     if template is not None:
         config["chat_template"] = template
-    context_length = _field(reader, f"{vocab.architecture}.context_length")
+    context_length = reader.value(f"{vocab.architecture}.context_length")
     if context_length is not None:
         config["model_max_length"] = int(context_length)
     return config

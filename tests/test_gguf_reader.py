@@ -60,6 +60,7 @@ def test_reader_matches_the_gguf_package(tmp_path: Path, alignment: int | None) 
     for key, field in stored.items():
         assert ours.fields[key].contents() == field.contents(), key
     assert ours.fields["t.u64"].contents() == 2**63 + 5 and ours.fields["t.str"].contents() == "héllo ▁world\n"
+    assert ours.value("t.str") == "héllo ▁world\n" and ours.value("t.absent", 7) == 7 and ours.value("t.absent") is None
     assert [t.name for t in ours.tensors] == [t.name for t in oracle.tensors]
     for mine, theirs in zip(ours.tensors, oracle.tensors):
         assert mine.tensor_type == theirs.tensor_type

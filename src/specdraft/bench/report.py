@@ -81,21 +81,28 @@ def _x(value, interval) -> str:
 def best_fixed_rows(payload: dict, bs: str, method: str, code: bool = True) -> tuple[list[str], list[list[str]]]:
     """An adaptive method against the reference and against the best fixed method, per category
     (`code`: method names in backticks, for markdown)."""
-    q = (lambda name: f"`{name}`") if code else (lambda name: name)  # noqa: E731
+    name = (lambda m: f"`{m}`") if code else (lambda m: m)  # noqa: E731
     summary = payload["summary"]
     ref, entry = summary["reference"], summary["batch_sizes"][bs]["methods"][method]
-    categories = list(dict.fromkeys(q["category"] for q in payload["questions"]))
-    headers = ["category", "n", f"{q(method)} vs {ref}", "best fixed method", "its speedup", f"{q(method)} vs it"]
+    categories = list(dict.fromkeys(question["category"] for question in payload["questions"]))
+    headers = ["category", "n", f"{name(method)} vs {ref}", "best fixed method", "its speedup", f"{name(method)} vs it"]
     rows = []
     for c in categories + ["overall"]:
         mine = entry["overall"] if c == "overall" else entry["categories"].get(c)
-        best = entry["against_best_fixed"]["overall" if c == "overall" else "categories"]
-        best = best if c == "overall" else best.get(c)
+        best = entry["against_best_fixed"]["overall"] if c == "overall" else entry["against_best_fixed"]["categories"].get(c)
         if mine is None or best is None:
             continue
-        rows.append([c, str(mine["prompts"]), _x(mine["speedup"], mine.get("speedup_interval")), q(best["method"]),
+        rows.append([c, str(mine["prompts"]), _x(mine["speedup"], mine.get("speedup_interval")), name(best["method"]),
                      _x(best["best_speedup"], None), _x(best["ratio"], best["interval"])])
     return headers, rows
+
+
+def adaptive_tables(payload: dict, code: bool = True):
+    """(batch size, method, headers, rows) of best_fixed_rows for every adaptive method that ran."""
+    for bs, size in payload["summary"]["batch_sizes"].items():
+        for method, entry in size["methods"].items():
+            if entry.get("against_best_fixed"):
+                yield (bs, method, *best_fixed_rows(payload, bs, method, code))
 
 
 def acceptance_rows(payload: dict, bs: str) -> tuple[list[str], list[list[str]]]:
@@ -209,12 +216,9 @@ def _detail_sections(payload: dict, sizes: list[str]) -> list[str]:
     h, r = acceptance_rows(payload, first)
     if r:
         out += ["", f"## Acceptance by draft position (batch size {first})", "", markdown_table(h, r)]
-    for bs in sizes:
-        for method, entry in payload["summary"]["batch_sizes"][bs]["methods"].items():
-            if entry.get("against_best_fixed"):
-                h, r = best_fixed_rows(payload, bs, method)
-                out += ["", f"## `{method}` against the reference and the best fixed method (batch size {bs})", "",
-                        BEST_FIXED_NOTE, "", markdown_table(h, r)]
+    for bs, method, h, r in adaptive_tables(payload):
+        out += ["", f"## `{method}` against the reference and the best fixed method (batch size {bs})", "",
+                BEST_FIXED_NOTE, "", markdown_table(h, r)]
     if len(sizes) > 1:
         h, r = sweep_rows(payload)
         out += ["", "## Batch sweep: total throughput and mean latency", "", markdown_table(h, r)]
@@ -250,12 +254,9 @@ def text_summary(payload: dict) -> str:
         h, r = category_rows(payload, sizes[0])
         if len(r) > 2:
             parts += ["speedup by category:", text_table(h, r), ""]
-        for bs in sizes:
-            for method, entry in payload["summary"]["batch_sizes"][bs]["methods"].items():
-                if entry.get("against_best_fixed"):
-                    h, r = best_fixed_rows(payload, bs, method, code=False)
-                    parts += [f"{method} against the best fixed method, batch size {bs} (90% bootstrap intervals):",
-                              text_table(h, r), ""]
+        for bs, method, h, r in adaptive_tables(payload, code=False):
+            parts += [f"{method} against the best fixed method, batch size {bs} (90% bootstrap intervals):",
+                      text_table(h, r), ""]
     else:
         parts.append("no measurements")
     if payload.get("interrupted"):

@@ -94,14 +94,10 @@ prompt format: the model's chat template when it has one, else the plain templat
 def run(args) -> int:
     from specdraft.bench import ALL_METHODS, DRAFTER_METHODS, SPECDRAFT_METHODS, method_weights, split_method
     from specdraft.device import WEIGHT_CHOICES
-    from specdraft.bench.report import text_summary
     from specdraft.bench.runner import BenchConfig, rebuild_report, run_bench
 
     if args.report_from is not None:
-        payload = rebuild_report(args.report_from, plots=not args.no_plots)
-        print(text_summary(payload))
-        print(f"\nrewrote {args.report_from / 'results.json'}, {args.report_from / 'results.md'}"
-              + "".join(f", {args.report_from / p}" for p in payload["plots"]))
+        _print_outputs("rewrote", args.report_from, rebuild_report(args.report_from, plots=not args.no_plots))
         return 0
     if args.questions is None:
         raise SpecdraftError("--questions is required (a question file to measure), unless --report-from FOLDER")
@@ -127,8 +123,13 @@ def run(args) -> int:
         max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype, device=args.device,
         threads=args.threads, weights=args.weights, prefill_dtype=args.prefill_dtype, compile=args.compile, out=args.out, progress=not args.no_progress, plots=not args.no_plots,
     )
-    payload = run_bench(cfg)
-    print(text_summary(payload))
-    print(f"\nwrote {args.out / 'results.json'}, {args.out / 'results.md'}"
-          + "".join(f", {args.out / p}" for p in payload["plots"]))
+    _print_outputs("wrote", args.out, run_bench(cfg))
     return 0
+
+
+def _print_outputs(verb: str, out: Path, payload: dict) -> None:
+    """The short tables, then the files written into `out`."""
+    from specdraft.bench.report import text_summary
+
+    print(text_summary(payload))
+    print(f"\n{verb} {out / 'results.json'}, {out / 'results.md'}" + "".join(f", {out / p}" for p in payload["plots"]))

@@ -20,7 +20,7 @@ from specdraft.drafters.mtp_lookup import MTPWithLookup
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
-from specdraft.speculative.verify import HEAD_BLOCK
+from specdraft.speculative.verify import HEAD_BLOCK, SAMPLED_HEAD_BLOCK
 from specdraft.speculative.policy import (LEARNING_RATE, RELAX, SAMPLED_LEARNING_RATE, SAMPLED_RELAX,
                                           STEADY_LEARNING_RATE, STEADY_RELAX, STEADY_SOURCES, AdaptivePolicy,
                                           FixedPolicy, MeasuredCosts, by_confidence, cost_key, first_rows, head_sizes,
@@ -32,7 +32,7 @@ class FakeCosts:
     `ensure` is a no-op, counted."""
 
     def __init__(self, verify, draft=lambda n, steps: 0.0):
-        self.verify = lambda n, w, alive=None: verify(n, w)
+        self.verify = lambda n, w, alive=None, block=None: verify(n, w)
         self.draft, self.ensured = draft, 0
 
     def ensure(self, model, drafter, rows, k, width) -> None:
@@ -298,6 +298,23 @@ def test_verify_cost_scores_later_blocks_only_for_rows_still_unrejected(tmp_path
     # two rows (past the tables: proportional): 8 head rows, then 1.5 x 4, then half a chance of 1
     assert costs.verify(2, 9, [2.0, 1.5, 0.5]) == pytest.approx(2 * 3.0 + 0.8 * 8 / 4 + 0.8 * 6 / 4 + 0.5 * 0.5)
     assert costs.verify(1, 5, [1.0, 0.0]) == pytest.approx(2.0 + 0.8)  # no row gets past position 4
+
+
+def test_sampled_rounds_are_costed_in_the_sampled_blocks(tmp_path):
+    """Sampled verification scores SAMPLED_HEAD_BLOCK positions at a time (sampled_probs_blockwise):
+    the cost takes the block it is told, and the policy tells it that block once a row samples."""
+    costs = _tabled_costs(tmp_path, {1: 1.0, 4: 2.0}, {1: 0.5, 2: 0.6, 4: 0.8})
+    assert costs.verify(1, 4, [1.0, 0.25], SAMPLED_HEAD_BLOCK) == pytest.approx(2.0 + 0.6 + 0.25 * 0.6)
+    blocks = []
+    p = policy_for(SimpleNamespace(verify=lambda n, w, alive=None, block=None: blocks.append(block) or 1.0,
+                                   draft=lambda n, steps: 0.0, ensure=lambda *a: None), k=4)
+    row = p.new_row("mtp")
+    p.choose([row])
+    assert set(blocks) == {HEAD_BLOCK}
+    p.observe(row, "mtp", 2, 1, [0.9, 0.3])  # a sampled round
+    blocks.clear()
+    p.choose([row])
+    assert set(blocks) == {SAMPLED_HEAD_BLOCK}
 
 
 def test_cheap_rejections_make_long_lookups_pay(tmp_path):

@@ -307,6 +307,81 @@ def test_acceptance_chances_are_the_verifiers_acceptance_probabilities() -> None
     assert abs(rate - want[0, 0].item()) < 4 * math.sqrt(want[0, 0] * (1 - want[0, 0]) / n) + 1e-9
 
 
+def _recording_probs(weight: torch.Tensor, seen: list[int]):
+    """Probabilities from a fixed random table (peaked, so drafts drawn from them are often
+    accepted), each row on its own as the head kernels compute them, recording how many rows each
+    call scored."""
+    def probs_of(rows: torch.Tensor) -> torch.Tensor:
+        seen.append(rows.shape[0])
+        return torch.stack([torch.softmax(3 * weight @ row, -1) for row in rows]).view(len(rows), -1)
+    return probs_of
+
+
+@pytest.mark.parametrize("q_kind", ["point", "dense", "sparse"])
+def test_blockwise_sampled_probs_give_the_full_verdicts_and_draws(q_kind: str) -> None:
+    """P computed a block of positions at a time, only for rows still unrejected, gives
+    verify_sampling the verdicts, the correction draws and (up to the first rejection) the
+    acceptance chances of every P computed, from the same random stream, for ragged rows; and
+    drawing the uniforms inside verify_sampling takes them from the stream as drawing them first."""
+    from specdraft.speculative.verify import (acceptance_chances, acceptance_uniforms, sampled_probs_blockwise,
+                                              verify_sampling)
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(V, 8, generator=gen)
+    for trial in range(48):
+        k, block, b = (0, 1, 2, 3, 5, 8)[trial % 6], 1 + trial % 4, 1 + trial % 3
+        hidden = torch.randn(b, k + 1, 8, generator=gen)
+        full = _recording_probs(weight, [])(hidden.reshape(-1, 8)).view(b, k + 1, V)
+        q = torch.softmax(torch.randn(b, k, V, generator=gen), -1)
+        drafts = sample(full[:, :k] if trial % 2 else q, gen)  # from P: mostly accepted; from Q: less
+        num_valid = torch.randint(0, k + 1, (b,), generator=gen)
+        if q_kind == "point":
+            q = None
+        elif q_kind == "sparse":
+            ids = torch.argsort(torch.rand(b, k, V, generator=gen), -1)[..., : V // 2]
+            ids[..., 0] = drafts  # the drafts inside each support
+            kept = q.gather(2, ids)
+            q = SparseProbs(ids, kept / kept.sum(-1, keepdim=True), V)
+        seed = 100 + trial
+        first = torch.Generator().manual_seed(seed)
+        uniforms = acceptance_uniforms(b, k, first, drafts.device)
+        want = verify_sampling(full, drafts, q, num_valid, first, uniforms)
+        inside = verify_sampling(full, drafts, q, num_valid, torch.Generator().manual_seed(seed))
+        seen: list[int] = []
+        again = torch.Generator().manual_seed(seed)
+        uniforms = acceptance_uniforms(b, k, again, drafts.device)
+        probs = sampled_probs_blockwise(_recording_probs(weight, seen), hidden, drafts, q, num_valid, uniforms, block)
+        got = verify_sampling(probs, drafts, q, num_valid, again, uniforms)
+        for a, c, d in zip(want, inside, got):
+            assert torch.equal(a, c) and torch.equal(a, d)
+        assert sum(seen) <= b * (k + 1)
+        judged = torch.arange(k)[None, :] <= want[0][:, None]  # up to each row's first rejection
+        chances = acceptance_chances(probs, drafts, q, num_valid)
+        assert torch.equal(chances[judged], acceptance_chances(full, drafts, q, num_valid)[judged])
+
+
+def test_blockwise_sampled_probs_stop_scoring_after_a_rejection() -> None:
+    """Row 0's first draft has P = 0 (always rejected), row 1's drafts are P's only token (always
+    accepted): with blocks of 2 over 5 positions row 0 is scored for its first block only."""
+    from specdraft.speculative.verify import sampled_probs_blockwise, verify_sampling
+
+    sure = torch.eye(V)  # distribution i: all mass on token i
+    def probs_of(rows: torch.Tensor) -> torch.Tensor:
+        seen.append(rows.shape[0])
+        return sure[rows[:, 0].long()]
+
+    seen: list[int] = []
+    hidden = torch.zeros(2, 5, 1)
+    hidden[1, :, 0] = torch.tensor([3.0, 4, 5, 6, 7])  # row 1's P_j: token 3 + j; row 0's: token 0
+    drafts = torch.tensor([[9, 9, 9, 9], [3, 4, 5, 6]])
+    uniforms = torch.rand(2, 4, generator=torch.Generator().manual_seed(0))
+    probs = sampled_probs_blockwise(probs_of, hidden, drafts, None, torch.tensor([4, 4]), uniforms, 2)
+    assert seen == [4, 2, 1]
+    assert probs[0, 2:].abs().sum() == 0  # never computed
+    n, token = verify_sampling(probs, drafts, None, torch.tensor([4, 4]), torch.Generator(), uniforms)
+    assert n.tolist() == [0, 4] and token.tolist() == [0, 7]
+
+
 def test_clustered_q_really_excludes_tokens(target, drafters) -> None:
     """The MTP case is only meaningful if Q misses tokens P gives mass to: check Q's support."""
     inp = draft_input(target, 4)
@@ -350,8 +425,8 @@ def test_negative_control_biased_verifier_is_detected(target, drafters, monkeypa
     residual norm(max(P - Q, 0)) (a classic bug) must be caught."""
     real = engine_module.verify_sampling
 
-    def resamples_from_p(target_probs, drafts, draft_probs, num_valid, generator):
-        n, _ = real(target_probs, drafts, draft_probs, num_valid, generator)
+    def resamples_from_p(target_probs, drafts, draft_probs, num_valid, generator, uniforms=None):
+        n, _ = real(target_probs, drafts, draft_probs, num_valid, generator, uniforms)
         rows = torch.arange(drafts.shape[0])
         return n, torch.multinomial(target_probs[rows, n], 1, generator=generator).squeeze(1)
 
@@ -429,7 +504,7 @@ class FakeCosts:
     def ensure(self, model, drafter, rows, k, width):
         pass
 
-    def verify(self, n, w, alive=None):
+    def verify(self, n, w, alive=None, block=None):
         return 1.0 + 0.03 * (w - 1)
 
     def draft(self, n, steps):
@@ -526,10 +601,10 @@ class _AcceptWithP(SparseProbs):
 def test_negative_control_adaptive_widths_accept_with_p_is_detected(target, drafters, monkeypatch) -> None:
     real = engine_module.verify_sampling
 
-    def accepts_with_p(target_probs, drafts, draft_probs, num_valid, generator):
+    def accepts_with_p(target_probs, drafts, draft_probs, num_valid, generator, uniforms=None):
         if draft_probs is not None:  # None: a plain round (no drafts)
             draft_probs = _AcceptWithP(draft_probs.ids, draft_probs.probs, draft_probs.vocab)
-        return real(target_probs, drafts, draft_probs, num_valid, generator)
+        return real(target_probs, drafts, draft_probs, num_valid, generator, uniforms)
 
     monkeypatch.setattr(engine_module, "verify_sampling", accepts_with_p)
     counts, _ = adaptive_counts(target, AlwaysK(drafters["mtp"], 3), 3, ScriptedPolicy(WIDTH_SCRIPT), NEGATIVE_N, 150)

@@ -32,7 +32,8 @@ from specdraft.speculative.policy import DraftPolicy, FixedPolicy
 from specdraft.speculative.request import GenerationResult, Request, SamplingGroup
 from specdraft.speculative.stats import RequestStats, Timer
 from specdraft.speculative.stops import StopChecker
-from specdraft.speculative.verify import acceptance_chances, verify_greedy_blockwise, verify_sampling
+from specdraft.speculative.verify import (acceptance_chances, acceptance_uniforms, sampled_probs_blockwise,
+                                          verify_greedy_blockwise, verify_sampling)
 from specdraft.tokenizer import Tokenizer
 
 MAX_DRAFT_TOKENS = 32
@@ -420,10 +421,12 @@ class Engine:
             return *verify_greedy_blockwise(self.model.greedy_tokens, hidden, drafts, num_valid), None
         # Only the group's own drafts: its random draws then never depend on the round's width.
         width = int(num_valid.max()) if drafts.shape[1] else 0
-        probs = probabilities(self.model.logits(hidden[:, : width + 1]), group.params)
         q = q[:, :width] if q is not None else None
         drafts = drafts[:, :width]
-        accepted, nxt = verify_sampling(probs, drafts, q, num_valid, group.generator)
+        uniforms = acceptance_uniforms(drafts.shape[0], width, group.generator, drafts.device)
+        probs = sampled_probs_blockwise(lambda rows: probabilities(self.model.logits(rows), group.params),
+                                        hidden[:, : width + 1], drafts, q, num_valid, uniforms)
+        accepted, nxt = verify_sampling(probs, drafts, q, num_valid, group.generator, uniforms)
         return accepted, nxt, acceptance_chances(probs, drafts, q, num_valid)
 
     # --- output -------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ tokens per second, from
 - a cost model measured here: target forward seconds by (rows, width), greedy head seconds by
   rows scored and drafter seconds per step, profiled once on scratch caches and kept on disk
   under $SPECDRAFT_CACHE/costs (or $SPECDRAFT_COSTS_DIR), keyed by everything that changes them
-  (model, weights, dtype, device, torch, threads, CPU). Greedy verification scores the head a
-  block of positions at a time and only for rows still unrejected (verify_greedy_blockwise), so
-  a wide round's head costs what its expected surviving rows cost;
+  (model, weights, dtype, device, torch, threads, CPU). Verification scores the head a block
+  of positions at a time and only for rows still unrejected (verify_greedy_blockwise, and
+  sampled_probs_blockwise in smaller blocks), so a wide round's head costs what its expected
+  surviving rows cost;
 - per-row acceptance estimates, one per draft source (prompt lookup and the MTP drafter accept
   very differently), updated from each round's accepted counts; for mtp+ngram, which source a
   row's next drafts come from is read off its emitted tokens (a lookup needs a repeated bigram).
@@ -40,7 +41,7 @@ import torch
 from specdraft.drafters.base import Drafter, DraftInput
 from specdraft.models.kernels import build as kernels
 from specdraft.sampling import SamplingParams
-from specdraft.speculative.verify import HEAD_BLOCK
+from specdraft.speculative.verify import HEAD_BLOCK, SAMPLED_HEAD_BLOCK
 
 # Conditional per-position acceptance before a row has any evidence (one value, or one per draft
 # position with the last repeating). Optimistic on purpose: a pessimistic prior would never draft
@@ -158,8 +159,8 @@ class RowAcceptance:
 
 class AdaptivePolicy(DraftPolicy):
     """W maximising expected tokens / (draft(W) + verify(n, W + 1)) each round (see the module doc).
-    `costs`: an object with ensure(model, drafter, rows, k, width), verify(n, w, alive) -> seconds
-    (alive: the expected rows per block of head positions, see MeasuredCosts.verify) and
+    `costs`: an object with ensure(model, drafter, rows, k, width), verify(n, w, alive, block) ->
+    seconds (alive: the expected rows per block of head positions, see MeasuredCosts.verify) and
     draft(n, steps) -> seconds (MeasuredCosts here; tests pass their own)."""
 
     def __init__(self, costs, prior: dict[str, float | tuple[float, ...]] | None = None, margin: float = MARGIN,
@@ -243,10 +244,10 @@ class AdaptivePolicy(DraftPolicy):
         gains = [0.0] * (self.width + 1)
         widths = [0.0] * (self.width + 1)  # the round's verify width: its widest row's expected drafts
         steps = [0.0] * (self.width + 1)  # drafter steps: until its last row stops
-        # Expected rows whose drafts before each block of HEAD_BLOCK positions were all accepted:
-        # greedy verification scores only those positions with the head (verify_greedy_blockwise).
-        blockwise = not any(s.sampled for s in states)  # sampling scores every position (verify_sampling)
-        alive = [float(n)] + [0.0 if blockwise else float(n)] * (self.width // HEAD_BLOCK)
+        # Expected rows whose drafts before each block of head positions were all accepted: only
+        # those rows' positions reach the head (verify_greedy_blockwise, sampled_probs_blockwise).
+        block = SAMPLED_HEAD_BLOCK if any(s.sampled for s in states) else HEAD_BLOCK
+        alive = [float(n)] + [0.0] * (self.width // block)
         for s in states:
             source = s.next_source
             tokens, drafts = self._expected(self._rates(s, source), self._continues(s, source))
@@ -255,13 +256,13 @@ class AdaptivePolicy(DraftPolicy):
                 widths[w] = max(widths[w], drafts[w])
                 if source != "lookup":  # when every row looks up, the drafter itself does not run
                     steps[w] = max(steps[w], min(drafts[w], self.k))
-            for b in range(HEAD_BLOCK, self.width + 1, HEAD_BLOCK) if blockwise else ():
-                alive[b // HEAD_BLOCK] += tokens[b] - tokens[b - 1]  # this row still unrejected there
+            for b in range(block, self.width + 1, block):
+                alive[b // block] += tokens[b] - tokens[b - 1]  # this row still unrejected there
         margin = self.margin if n == 1 else max(self.margin, self.batch_margin)
-        best, best_rate = 0, n / self.costs.verify(n, 1, alive[:1]) * (1 + margin)
+        best, best_rate = 0, n / self.costs.verify(n, 1, alive[:1], block) * (1 + margin)
         for w in range(1, self.width + 1):
             draft = self.costs.draft(n, steps[w]) if steps[w] > 0 else 0.0
-            rate = gains[w] / (draft + self.costs.verify(n, widths[w] + 1, alive))
+            rate = gains[w] / (draft + self.costs.verify(n, widths[w] + 1, alive, block))
             if rate > best_rate:
                 best, best_rate = w, rate
         return best
@@ -449,20 +450,21 @@ class MeasuredCosts:
                                   indent=1))
         tmp.replace(self.path)  # atomic: a concurrent reader sees the old table or the new one
 
-    def verify(self, n: float, w: float, alive: list[float] | None = None) -> float:
-        """Seconds of a greedy verification of w positions for n rows: the forward, then the head
-        over the positions verify_greedy_blockwise scores: HEAD_BLOCK at a time, block b for
-        alive[b] rows (expected: those whose earlier drafts were all accepted; None: all n)."""
+    def verify(self, n: float, w: float, alive: list[float] | None = None, block: int = HEAD_BLOCK) -> float:
+        """Seconds of a verification of w positions for n rows: the forward, then the head over
+        the positions verification scores: `block` at a time (HEAD_BLOCK greedy, SAMPLED_HEAD_BLOCK
+        sampling), block b for alive[b] rows (expected: those whose earlier drafts were all
+        accepted; None: all n). The head is the greedy one's time either way."""
         if self._clean is None:
             self._clean = monotone(self.target)
         forward = _interpolate({b: _interpolate(t, w) for b, t in self._clean.items()}, n)
         if not self.head:
             return forward
         head = 0.0
-        for b, start in enumerate(range(0, math.ceil(w), HEAD_BLOCK)):
+        for b, start in enumerate(range(0, math.ceil(w), block)):
             rows = n if alive is None else alive[b]
             # below one row expected: that chance of the block for one row
-            head += min(1.0, rows) * self.head_seconds(max(1.0, rows) * min(HEAD_BLOCK, w - start))
+            head += min(1.0, rows) * self.head_seconds(max(1.0, rows) * min(block, w - start))
         return forward + head
 
     def head_seconds(self, rows: float) -> float:

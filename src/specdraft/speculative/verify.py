@@ -35,6 +35,12 @@ def verify_greedy(target_tokens: torch.Tensor, drafts: torch.Tensor, num_valid: 
 
 
 HEAD_BLOCK = 4  # positions scored together: the CPU head kernels read their table once per 4 rows
+# The same when sampling. There a first draft is accepted about half as often as when greedy (MTP
+# at temperature 1: ~45% against ~65%), so a 4-position round mostly scores positions that never
+# matter; in blocks of 2 it reads the head's table one more time only when the first two drafts
+# were both accepted (a quarter of rounds). Measured on a 2-core AVX2 CPU: 1, 2, 3, 4 head rows
+# cost 11.9, 16.0, 20.1, 24.8 ms (BENCHMARKS.md).
+SAMPLED_HEAD_BLOCK = 2
 
 
 def verify_greedy_blockwise(greedy_tokens: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
@@ -74,6 +80,7 @@ def verify_sampling(
     draft_probs: torch.Tensor | SparseProbs | None,
     num_valid: torch.Tensor,
     generator: torch.Generator | None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
 
@@ -81,11 +88,13 @@ def verify_sampling(
     norm(max(P_i - Q_i, 0)); when every draft is accepted draw the bonus token from P_K.
     `draft_probs` None means the drafts were argmax choices: Q is a point mass on d, so the
     acceptance probability is P_i(d) and the residual is P_i with d removed, renormalised.
-    The output is distributed exactly as sampling from the target alone.
+    The output is distributed exactly as sampling from the target alone. `uniforms` [B, K]: the
+    acceptance draws, if the caller drew them already (sampled_probs_blockwise needs them first);
+    by default they are drawn here, the first thing taken from `generator`.
     """
     b, k = drafts.shape
     p_draft, q_draft = _draft_likelihoods(target_probs, drafts, draft_probs)
-    r = torch.rand(b, k, generator=generator, device=drafts.device)
+    r = acceptance_uniforms(b, k, generator, drafts.device) if uniforms is None else uniforms
     # r < p/q without dividing (q > 0 for any drawn token).
     accept = (r * q_draft < p_draft) & _valid(num_valid, k)
     n = _accepted_prefix(accept)
@@ -113,6 +122,55 @@ def verify_sampling(
     return n, token
 
 
+def acceptance_uniforms(rows: int, k: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """The [rows, K] uniform draws `verify_sampling` compares P/Q against."""
+    return torch.rand(rows, k, generator=generator, device=device)
+
+
+def sampled_probs_blockwise(probs_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                            drafts: torch.Tensor, draft_probs: torch.Tensor | SparseProbs | None,
+                            num_valid: torch.Tensor, uniforms: torch.Tensor,
+                            block: int = SAMPLED_HEAD_BLOCK) -> torch.Tensor:
+    """The target's P_0..P_K [B, K+1, V] for `verify_sampling`, computed `block` positions at a
+    time and only where they can matter: zeros past a row's first rejected draft.
+
+    hidden [B, K+1, H]; `probs_of` maps [N, H] rows to their [N, V] probabilities, each row on its
+    own (the head kernels' contract), so a subset of rows gets the bits of the full call. Whether
+    draft j is accepted depends only on P_j, Q_j and uniforms[j], which `verify_sampling` then
+    compares the same way (given the same `uniforms`): the same verdicts and the same correction
+    draw as with every P computed, and a zero P_j is only ever read past a rejection (never
+    accepted there, never the correction's row)."""
+    b, width, _ = hidden.shape
+    k = drafts.shape[1]
+    valid = _valid(num_valid, k)
+    out, alive = None, torch.arange(b, device=hidden.device)  # rows whose drafts so far were accepted
+    for start in range(0, width, block):
+        stop = min(start + block, width)
+        probs = probs_of(hidden[alive, start:stop].reshape(-1, hidden.shape[-1])).view(len(alive), stop - start, -1)
+        if out is None:
+            out = probs.new_empty(b, width, probs.shape[-1])
+            computed = torch.zeros(b, width, dtype=torch.bool, device=hidden.device)
+        out[alive, start:stop] = probs
+        computed[alive, start:stop] = True
+        if stop > k:
+            break
+        p_draft, q_draft = _draft_likelihoods(out[alive, start:stop], drafts[alive, start:stop],
+                                              _positions(draft_probs, alive, start, stop))
+        accepted = (uniforms[alive, start:stop] * q_draft < p_draft) & valid[alive, start:stop]
+        alive = alive[accepted.all(dim=1)]
+        if len(alive) == 0:
+            break
+    out[~computed] = 0.0
+    return out
+
+
+def _positions(draft_probs: torch.Tensor | SparseProbs | None, rows: torch.Tensor, start: int, stop: int):
+    """Q of rows `rows` at draft positions start..stop-1 (None stays None: point masses)."""
+    if draft_probs is None:
+        return None
+    return draft_probs[rows][:, start:stop] if isinstance(draft_probs, SparseProbs) else draft_probs[rows, start:stop]
+
+
 def _draft_likelihoods(target_probs: torch.Tensor, drafts: torch.Tensor,
                        draft_probs: torch.Tensor | SparseProbs | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(P_i(d_i+1), Q_i(d_i+1)) [B, K] each; Q is 1 for point-mass (argmax or lookup) drafts."""
@@ -130,6 +188,8 @@ def acceptance_chances(target_probs: torch.Tensor, drafts: torch.Tensor,
     """[B, K]: min(1, P_i(d)/Q_i(d)), the probability with which `verify_sampling` accepts each
     draft once the drafts before it were accepted (0 past a row's valid drafts).
 
+    A P_i of zeros (sampled_probs_blockwise, past a row's first rejection) gives a chance of 0:
+    the draft policy reads chances only up to the first rejected draft.
     Its mean over rounds is the acceptance rate without the coin flip's variance, which is what an
     adaptive draft length should learn from at temperature > 0. Reading it never changes what is
     emitted: it is a function of this round's P and Q, and only later rounds' widths depend on it."""

@@ -18,16 +18,19 @@ from specdraft.drafters.ngram import NgramDrafter
 from specdraft.loading import load_folder
 from specdraft.models import decoder
 from specdraft.models.kernels import build
+from specdraft.models.kernels.build import applies
 from specdraft.models.kernels.decoder_layer import decoder_layer, decoder_stack
 from specdraft.models.quant import compact_weights
 from specdraft.models.kernels.argmax import argmax_last
 from specdraft.models.kernels.attention import attend_short
 from specdraft.models.kernels.gated_act import gated_act
 from specdraft.models.kernels.qk_rope import qk_rope_write
+from specdraft.models.kernels.sample_rows import draw_tokens
 from specdraft.models.kernels.rms_norm import residual_norms, rms_norm
 from specdraft.models.layers import ACTIVATIONS, RMSNorm, _attend_short
 from specdraft.models.rope import RopeTable, apply_rope
 from specdraft.config import RopeParams
+from specdraft.sampling import sample
 from specdraft.speculative.engine import Engine
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="no AVX2 CPU or no C compiler here")
@@ -170,6 +173,31 @@ def test_gated_act_matches_pytorch(kind: str) -> None:
     assert ((got.double() - ref).abs() <= (8 + 4 * z.abs()) * 2.0**-24 * ref.abs() + 1e-30).all()
     assert_fp32_close(got, ACTIVATIONS[kind](gate) * up, depth=8)  # PyTorch's float32 ops agree
     assert torch.equal(gated_act(torch.cat([gate[1:2], up[1:2]], dim=-1), kind), got[1:2])
+
+
+@pytest.mark.parametrize("n", [1, 5, 511, 512, 513, 4096, 262144])
+def test_draw_tokens_is_sample(n: int) -> None:
+    """The C draw (sample_rows.c) takes sampling.sample's uniforms and lands on its token: the
+    same token wherever the two float64 cumulative sums (summed in other orders) do not straddle
+    the draw; zero weights are never drawn, an all-zero row gives the last token as sample's
+    clamp does, and any leading shape works."""
+    gen = torch.Generator().manual_seed(n)
+    w = torch.softmax(4 * torch.randn(3, 4, n, generator=gen), -1)
+    w[0, :, ::3] = 0.0
+    w[1, 0] = 0.0
+    w[2, 1] = torch.rand(n, generator=gen) * 7  # unnormalised
+    with torch.inference_mode():
+        assert applies(w)
+        got = draw_tokens(w, torch.Generator().manual_seed(1))
+    want = sample(w, torch.Generator().manual_seed(1))
+    assert got.shape == (3, 4) and got[1, 0] == n - 1
+    flat, u = w.reshape(-1, n), torch.rand(12, 1, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    cdf = flat.double().cumsum(-1)
+    target = (u * cdf[:, -1:]).squeeze(1)
+    for row, (a, b) in enumerate(zip(got.flatten().tolist(), want.flatten().tolist())):
+        assert flat[row, a] > 0 or cdf[row, -1] == 0
+        if a != b:  # only where the draw sits within float64 rounding of a cumulative weight
+            assert abs(float(cdf[row, min(a, b)] - target[row])) <= 1e-12 * float(cdf[row, -1])
 
 
 @pytest.mark.parametrize("n", [1, 7, 31, 32, 33, 100, 262144])

@@ -33,6 +33,7 @@ from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_dr
 from specdraft.drafters.mtp.drafter import MTPDrafter
 from specdraft.drafters.mtp_lookup import MTPWithLookup
 from specdraft.drafters.ngram import NgramDrafter
+from specdraft.models.kernels.sample_rows import draw_tokens
 from specdraft.sampling import SamplingParams, sample
 from specdraft.speculative import engine as engine_module
 from specdraft.speculative.engine import Engine
@@ -632,12 +633,15 @@ def test_negative_control_q_cut_out_of_step_with_drafts_is_detected(target, draf
     assert p_value < 1e-9, f"a Q cut out of step with its drafts went unnoticed (p = {p_value:.2e}, TV {tv:.4f})"
 
 
-def test_sample_draws_from_unnormalised_weights_and_never_a_zero() -> None:
-    """`sample` (inverse CDF in float64) on weights that do not sum to 1, with zeros among them and
-    at both ends: the counts fit the normalised law, and no zero-weight token is ever drawn."""
+@pytest.mark.parametrize("draw", [sample, draw_tokens])
+def test_sample_draws_from_unnormalised_weights_and_never_a_zero(draw) -> None:
+    """`sample` (inverse CDF in float64) and its C loop on weights that do not sum to 1, with zeros
+    among them and at both ends: the counts fit the normalised law, and no zero-weight token is
+    ever drawn."""
     weights = torch.tensor([0.0, 3.0, 0.0, 1.0, 0.5, 0.0, 2.5, 0.0])
     rows = weights.expand(20_000, -1) * torch.linspace(0.5, 2.0, 20_000)[:, None]  # any per-row scale
-    drawn = sample(rows, torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # where the decoding loop draws (the C loop's condition)
+        drawn = draw(rows, torch.Generator().manual_seed(0))
     counts = torch.bincount(drawn, minlength=len(weights))
     assert counts[weights == 0].sum() == 0
     stat, df, p_value, _, _ = chi_square(counts[weights > 0], (weights[weights > 0] / weights.sum()).double())

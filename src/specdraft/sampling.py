@@ -56,13 +56,23 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token per row from probs [..., V] (non-negative weights, normalised or not).
 
-    By the inverse CDF: u uniform in [0, total), the first token whose cumulative weight exceeds
-    u. Cumulated in float64, so rounding cannot shift mass between tokens by more than ~1e-16 of
-    the total; a token of weight 0 is never drawn. On a CPU this is 16x cheaper than
-    torch.multinomial over a 262k vocabulary (0.56 vs 9.3 ms a row), which validates and
-    normalises in several passes."""
+    By the inverse CDF: u uniform in [0, 1) times the row's total, the first token whose
+    cumulative weight exceeds it. Cumulated in float64, so rounding cannot shift mass between
+    tokens by more than ~1e-16 of the total; a token of weight 0 is never drawn. On a CPU this is
+    16x cheaper than torch.multinomial over a 262k vocabulary (0.56 vs 9.3 ms a row), which
+    validates and normalises in several passes. models/kernels/sample_rows.py draws from the same
+    uniforms in a C loop where it runs (what the decoding loop and training use)."""
     flat = probs.reshape(-1, probs.shape[-1])
+    return inverse_cdf(flat, row_uniforms(flat, generator)).reshape(probs.shape[:-1])
+
+
+def row_uniforms(flat: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[M, 1] float64 uniforms in [0, 1): one draw per row of flat [M, V]."""
+    return torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=flat.device)
+
+
+def inverse_cdf(flat: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """flat [M, V] weights, u [M, 1] -> [M]: the first token whose float64 cumulative weight
+    exceeds u times the row's total."""
     cdf = flat.double().cumsum(-1)
-    u = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=flat.device) * cdf[:, -1:]
-    token = torch.searchsorted(cdf, u, right=True).clamp(max=flat.shape[-1] - 1)
-    return token.reshape(probs.shape[:-1])
+    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=flat.shape[-1] - 1).squeeze(-1)

@@ -13,7 +13,8 @@ import torch
 
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.errors import SpecdraftError
-from specdraft.sampling import SamplingParams, probabilities, sample
+from specdraft.models.kernels.sample_rows import draw_tokens
+from specdraft.sampling import SamplingParams, probabilities
 
 
 class DraftModelDrafter(Drafter):
@@ -63,7 +64,7 @@ class DraftModelDrafter(Drafter):
                 token = self.model.greedy_tokens(last)
             else:
                 q = probabilities(self.model.logits(last), sampling)
-                token = sample(q, generator)
+                token = draw_tokens(q, generator)
                 probs.append(q)
             tokens.append(token)
             if step + 1 < k:

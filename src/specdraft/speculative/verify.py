@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from specdraft.drafters.base import SparseProbs
-from specdraft.sampling import sample
+from specdraft.models.kernels.sample_rows import draw_tokens
 
 
 def _accepted_prefix(accept: torch.Tensor) -> torch.Tensor:
@@ -118,7 +118,7 @@ def verify_sampling(
     total = residual.sum(dim=1, keepdim=True)
     # Rounding can leave an all-zero residual when P == Q almost exactly; P itself is then right.
     residual = torch.where(total > 0, residual, p_at)
-    token = sample(residual, generator)
+    token = draw_tokens(residual, generator)
     return n, token
 
 

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from specdraft.config import FULL, SLIDING
 from specdraft.drafters.mtp.source import kv_source
-from specdraft.sampling import sample
+from specdraft.models.kernels.sample_rows import draw_tokens
 from specdraft.training.labels import top_log_probs
 from specdraft.training.prompts import BASE_TEMPLATE, format_prompt
 
@@ -92,7 +92,7 @@ def record_answers(model: torch.nn.Module, prompts: list[list[int]], max_new_tok
         if temperature == 0:
             nxt = top_ids[:, 0]
         else:
-            nxt = sample(torch.softmax(logits / temperature, dim=-1), gen)
+            nxt = draw_tokens(torch.softmax(logits / temperature, dim=-1), gen)
         answer.append(torch.where(alive, nxt, -1))
         alive &= ~torch.isin(nxt, stops)
         if not alive.any():

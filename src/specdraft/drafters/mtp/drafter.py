@@ -18,7 +18,8 @@ from specdraft.kv_cache import attention_span
 from specdraft.models.kernels.build import applies as kernels_apply
 from specdraft.models.kernels.score_rows import draft_head
 from specdraft.models.target import AttentionLayout
-from specdraft.sampling import SamplingParams, probabilities, sample
+from specdraft.models.kernels.sample_rows import draw_tokens
+from specdraft.sampling import SamplingParams, probabilities
 
 GREEDY_CONFIDENCE = SamplingParams(temperature=1.0)  # greedy drafts' confidence: the drafter's softmax
 # Up to this many rows the copy gate places its copies among the candidates on the host (a few
@@ -190,7 +191,7 @@ class MTPDrafter(Drafter):
         q = confidence = None
         if not sampling.greedy or self.min_confidence > 0 or copy:
             q = probabilities(logits, GREEDY_CONFIDENCE if sampling.greedy else sampling)
-        pick = logits.argmax(-1) if sampling.greedy else sample(q, generator)
+        pick = logits.argmax(-1) if sampling.greedy else draw_tokens(q, generator)
         if q is not None:
             confidence = q.gather(1, pick[:, None]).squeeze(1)
         token = pick if cands is None else cands.gather(1, pick[:, None]).squeeze(1)

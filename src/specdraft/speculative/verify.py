@@ -88,7 +88,9 @@ def verify_sampling(
     norm(max(P_i - Q_i, 0)); when every draft is accepted draw the bonus token from P_K.
     `draft_probs` None means the drafts were argmax choices: Q is a point mass on d, so the
     acceptance probability is P_i(d) and the residual is P_i with d removed, renormalised.
-    The output is distributed exactly as sampling from the target alone. `uniforms` [B, K]: the
+    The output is distributed exactly as sampling from the target alone. target_probs: P_0..P_K
+    [B, K+1, V], or fewer positions where no row can reach the rest (sampled_probs_blockwise: a
+    missing P_i reads as zeros, so its draft is never accepted). `uniforms` [B, K]: the
     acceptance draws, if the caller drew them already (sampled_probs_blockwise needs them first);
     by default they are drawn here, the first thing taken from `generator`.
     """
@@ -99,22 +101,21 @@ def verify_sampling(
     accept = (r * q_draft < p_draft) & _valid(num_valid, k)
     n = _accepted_prefix(accept)
 
+    if k == 0:  # a plain round: the draw from P_0 itself (what the residual steps below give)
+        return n, draw_tokens(target_probs[:, 0], generator)
     rows = torch.arange(b, device=drafts.device)
     p_at = target_probs[rows, n]  # [B, V]: P_n
-    if k == 0:
-        residual = p_at
+    # Q at the rejected position; zero for rows that accepted everything (or whose
+    # rejection came from running out of valid drafts), so the residual is P itself.
+    stop = n.clamp(max=k - 1)
+    if draft_probs is None:
+        q_at = torch.zeros_like(p_at).scatter(1, drafts[rows, stop][:, None], 1.0)
+    elif isinstance(draft_probs, SparseProbs):
+        q_at = draft_probs.row(rows, stop).to(p_at.dtype)
     else:
-        # Q at the rejected position; zero for rows that accepted everything (or whose
-        # rejection came from running out of valid drafts), so the residual is P itself.
-        stop = n.clamp(max=k - 1)
-        if draft_probs is None:
-            q_at = torch.zeros_like(p_at).scatter(1, drafts[rows, stop][:, None], 1.0)
-        elif isinstance(draft_probs, SparseProbs):
-            q_at = draft_probs.row(rows, stop).to(p_at.dtype)
-        else:
-            q_at = draft_probs[rows, stop]
-        rejected = (n < num_valid)[:, None]
-        residual = torch.where(rejected, (p_at - q_at).clamp(min=0), p_at)
+        q_at = draft_probs[rows, stop]
+    rejected = (n < num_valid)[:, None]
+    residual = torch.where(rejected, (p_at - q_at).clamp(min=0), p_at)
     total = residual.sum(dim=1, keepdim=True)
     # Rounding can leave an all-zero residual when P == Q almost exactly; P itself is then right.
     residual = torch.where(total > 0, residual, p_at)
@@ -131,36 +132,45 @@ def sampled_probs_blockwise(probs_of: Callable[[torch.Tensor], torch.Tensor], hi
                             drafts: torch.Tensor, draft_probs: torch.Tensor | SparseProbs | None,
                             num_valid: torch.Tensor, uniforms: torch.Tensor,
                             block: int = SAMPLED_HEAD_BLOCK) -> torch.Tensor:
-    """The target's P_0..P_K [B, K+1, V] for `verify_sampling`, computed `block` positions at a
-    time and only where they can matter: zeros past a row's first rejected draft.
+    """The target's P_0..P_W [B, W+1, V] for `verify_sampling` (W <= K), computed `block`
+    positions at a time and only where they can matter: past a row's first rejected draft its P
+    is zeros, and the positions no row reached are left out (verify_sampling reads a missing P as
+    zeros: never accepted there, never the correction's row).
 
     hidden [B, K+1, H]; `probs_of` maps [N, H] rows to their [N, V] probabilities, each row on its
     own (the head kernels' contract), so a subset of rows gets the bits of the full call. Whether
     draft j is accepted depends only on P_j, Q_j and uniforms[j], which `verify_sampling` then
     compares the same way (given the same `uniforms`): the same verdicts and the same correction
-    draw as with every P computed, and a zero P_j is only ever read past a rejection (never
-    accepted there, never the correction's row)."""
+    draw as with every P computed."""
     b, width, _ = hidden.shape
     k = drafts.shape[1]
     valid = _valid(num_valid, k)
-    out, alive = None, torch.arange(b, device=hidden.device)  # rows whose drafts so far were accepted
+    alive = torch.arange(b, device=hidden.device)  # rows whose drafts so far were all accepted
+    blocks = []  # (rows, start, their P)
     for start in range(0, width, block):
         stop = min(start + block, width)
         probs = probs_of(hidden[alive, start:stop].reshape(-1, hidden.shape[-1])).view(len(alive), stop - start, -1)
-        if out is None:
-            out = probs.new_empty(b, width, probs.shape[-1])
-            computed = torch.zeros(b, width, dtype=torch.bool, device=hidden.device)
-        out[alive, start:stop] = probs
-        computed[alive, start:stop] = True
+        blocks.append((alive, start, probs))
         if stop > k:
             break
-        p_draft, q_draft = _draft_likelihoods(out[alive, start:stop], drafts[alive, start:stop],
+        p_draft, q_draft = _draft_likelihoods(probs, drafts[alive, start:stop],
                                               _positions(draft_probs, alive, start, stop))
         accepted = (uniforms[alive, start:stop] * q_draft < p_draft) & valid[alive, start:stop]
         alive = alive[accepted.all(dim=1)]
         if len(alive) == 0:
             break
-    out[~computed] = 0.0
+    if len(blocks) == 1:  # every row's rejection in the first block (always, when it spans every position)
+        return blocks[0][2]
+    reached = blocks[-1][1] + blocks[-1][2].shape[1]
+    # Copied into place, and only the (row, position) pairs no block computed are zeroed: a fresh
+    # zeroed [B, W+1, V] tensor per round cost ~1 ms a round on a 2-core CPU.
+    out = blocks[0][2].new_empty(b, reached, blocks[0][2].shape[-1])
+    computed = torch.zeros(b, reached, dtype=torch.bool, device=hidden.device)
+    for rows, start, probs in blocks:
+        out[rows, start : start + probs.shape[1]] = probs
+        computed[rows, start : start + probs.shape[1]] = True
+    if not bool(computed.all()):
+        out[~computed] = 0.0
     return out
 
 
@@ -173,9 +183,13 @@ def _positions(draft_probs: torch.Tensor | SparseProbs | None, rows: torch.Tenso
 
 def _draft_likelihoods(target_probs: torch.Tensor, drafts: torch.Tensor,
                        draft_probs: torch.Tensor | SparseProbs | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(P_i(d_i+1), Q_i(d_i+1)) [B, K] each; Q is 1 for point-mass (argmax or lookup) drafts."""
+    """(P_i(d_i+1), Q_i(d_i+1)) [B, K] each; Q is 1 for point-mass (argmax or lookup) drafts. P given
+    for fewer than K positions (sampled_probs_blockwise) reads 0 past them."""
     k = drafts.shape[1]
-    p_draft = target_probs[:, :k].gather(2, drafts[:, :, None]).squeeze(2)
+    have = min(k, target_probs.shape[1])
+    p_draft = target_probs[:, :have].gather(2, drafts[:, :have, None]).squeeze(2)
+    if have < k:
+        p_draft = torch.cat([p_draft, p_draft.new_zeros(p_draft.shape[0], k - have)], 1)
     if draft_probs is None:
         return p_draft, torch.ones_like(p_draft)
     if isinstance(draft_probs, SparseProbs):

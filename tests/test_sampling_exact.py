@@ -355,6 +355,9 @@ def test_blockwise_sampled_probs_give_the_full_verdicts_and_draws(q_kind: str) -
         got = verify_sampling(probs, drafts, q, num_valid, again, uniforms)
         for a, c, d in zip(want, inside, got):
             assert torch.equal(a, c) and torch.equal(a, d)
+        given = sampled_probs_blockwise(_recording_probs(weight, later := []), hidden, drafts, q, num_valid, uniforms,
+                                        block, first=full[:, : min(block, k + 1)])
+        assert torch.equal(given, probs) and sum(later) == sum(seen) - b * min(block, k + 1)  # block 0 not scored again
         assert sum(seen) <= b * (k + 1)
         judged = torch.arange(k)[None, :] <= want[0][:, None]  # up to each row's first rejection
         chances = acceptance_chances(probs, drafts, q, num_valid)

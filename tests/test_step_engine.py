@@ -173,6 +173,23 @@ def test_seeded_sampling_is_the_same_alone_and_in_company(gemma_tiny, prompts, m
     assert alone(SamplingParams(temperature=1.0, top_p=0.95, seed=1235)).token_ids != a.token_ids
 
 
+def test_sampled_requests_in_company_share_one_head_pass(gemma_tiny, prompts, monkeypatch) -> None:
+    """Three sampled requests, each its own random stream: a decoding round scores their first
+    block of positions in one head call over all three rows, not one call per request."""
+    model = gemma_tiny.ours
+    scored, logits = [], model.logits
+
+    def counting(hidden):
+        scored.append(hidden.shape[:-1].numel())
+        return logits(hidden)
+
+    monkeypatch.setattr(model, "logits", counting)
+    requests = [Request(p, 24, SamplingParams(temperature=1.0, seed=i), eos_token_ids=[]) for i, p in enumerate(prompts[:3])]
+    done = run_concurrently(Engine(model, None, None, 3), requests)
+    assert all(len(done[r.id].token_ids) == 24 for r in requests)
+    assert scored.count(3) >= 20 and scored.count(1) <= 3  # one shared call a round (1-row calls: prefills)
+
+
 def test_unseeded_sampling_leaves_the_global_rng_alone_and_reports_its_seed(gemma_tiny, prompts) -> None:
     engine = Engine(gemma_tiny.ours, None, NgramDrafter(), 3)
     torch.manual_seed(99)

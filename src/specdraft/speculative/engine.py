@@ -32,8 +32,8 @@ from specdraft.speculative.policy import DraftPolicy, FixedPolicy
 from specdraft.speculative.request import GenerationResult, Request, SamplingGroup
 from specdraft.speculative.stats import RequestStats, Timer
 from specdraft.speculative.stops import StopChecker
-from specdraft.speculative.verify import (acceptance_chances, acceptance_uniforms, sampled_probs_blockwise,
-                                          verify_greedy_blockwise, verify_sampling)
+from specdraft.speculative.verify import (SAMPLED_HEAD_BLOCK, acceptance_chances, acceptance_uniforms,
+                                          sampled_probs_blockwise, verify_greedy_blockwise, verify_sampling)
 from specdraft.tokenizer import Tokenizer
 
 MAX_DRAFT_TOKENS = 32
@@ -407,16 +407,31 @@ class Engine:
         accepted = torch.empty(len(rows), dtype=torch.long, device=self.device)
         nxt = torch.empty_like(accepted)
         chances = torch.full(draft.tokens.shape, float("nan"), device=self.device)
-        for idx in groups.values():
+        first = self._first_logits(hidden, [i for key, idx in groups.items() if key != 0 for i in idx])
+        for key, idx in groups.items():
             at = torch.tensor(idx, device=self.device)
             probs = draft.probs[at] if draft.probs is not None else None
+            head = None if first is None or key == 0 else torch.stack([first[i] for i in idx])
             accepted[at], nxt[at], chance = self._verify_group(hidden[at], draft.tokens[at], draft.num_valid[at],
-                                                               probs, rows[idx[0]].group)
+                                                               probs, rows[idx[0]].group, head)
             if chance is not None:
                 chances[at, : chance.shape[1]] = chance
         return accepted, nxt, chances
 
-    def _verify_group(self, hidden, drafts, num_valid, q, group: SamplingGroup):
+    def _first_logits(self, hidden: torch.Tensor, sampled: list[int]) -> dict[int, torch.Tensor] | None:
+        """Row -> logits [SAMPLED_HEAD_BLOCK or fewer positions, V] of the first block of positions
+        for the rows of several sampling groups (a server's requests), from one head call: per group
+        the head's table was read once per request and round (4 passes for 4 sampled requests where
+        one does). The head scores each row on its own, so a row's logits are what its group alone
+        gets. None for fewer than two such rows."""
+        if len(sampled) < 2:
+            return None
+        at = torch.tensor(sampled, device=self.device)
+        logits = self.model.logits(hidden[at, : min(SAMPLED_HEAD_BLOCK, hidden.shape[1])])
+        return dict(zip(sampled, logits.unbind(0)))
+
+    def _verify_group(self, hidden, drafts, num_valid, q, group: SamplingGroup, first: torch.Tensor | None = None):
+        """`first`: the group's first block of logits when they were computed with other groups'."""
         if group.params.greedy:  # only the argmax matters: no V-wide float32 logits
             return *verify_greedy_blockwise(self.model.greedy_tokens, hidden, drafts, num_valid), None
         # Only the group's own drafts: its random draws then never depend on the round's width.
@@ -424,8 +439,10 @@ class Engine:
         q = q[:, :width] if q is not None else None
         drafts = drafts[:, :width]
         uniforms = acceptance_uniforms(drafts.shape[0], width, group.generator, drafts.device)
+        if first is not None:
+            first = probabilities(first[:, : min(SAMPLED_HEAD_BLOCK, width + 1)], group.params)
         probs = sampled_probs_blockwise(lambda rows: probabilities(self.model.logits(rows), group.params),
-                                        hidden[:, : width + 1], drafts, q, num_valid, uniforms)
+                                        hidden[:, : width + 1], drafts, q, num_valid, uniforms, first=first)
         accepted, nxt = verify_sampling(probs, drafts, q, num_valid, group.generator, uniforms)
         return accepted, nxt, acceptance_chances(probs, drafts, q, num_valid)
 

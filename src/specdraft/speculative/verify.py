@@ -131,7 +131,7 @@ def acceptance_uniforms(rows: int, k: int, generator: torch.Generator | None, de
 def sampled_probs_blockwise(probs_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                             drafts: torch.Tensor, draft_probs: torch.Tensor | SparseProbs | None,
                             num_valid: torch.Tensor, uniforms: torch.Tensor,
-                            block: int = SAMPLED_HEAD_BLOCK) -> torch.Tensor:
+                            block: int = SAMPLED_HEAD_BLOCK, first: torch.Tensor | None = None) -> torch.Tensor:
     """The target's P_0..P_W [B, W+1, V] for `verify_sampling` (W <= K), computed `block`
     positions at a time and only where they can matter: past a row's first rejected draft its P
     is zeros, and the positions no row reached are left out (verify_sampling reads a missing P as
@@ -141,7 +141,8 @@ def sampled_probs_blockwise(probs_of: Callable[[torch.Tensor], torch.Tensor], hi
     own (the head kernels' contract), so a subset of rows gets the bits of the full call. Whether
     draft j is accepted depends only on P_j, Q_j and uniforms[j], which `verify_sampling` then
     compares the same way (given the same `uniforms`): the same verdicts and the same correction
-    draw as with every P computed."""
+    draw as with every P computed. `first`: the first block's P [B, min(block, K+1), V], when the
+    caller already has it (the engine scores several sampling groups' first blocks together)."""
     b, width, _ = hidden.shape
     k = drafts.shape[1]
     valid = _valid(num_valid, k)
@@ -149,7 +150,11 @@ def sampled_probs_blockwise(probs_of: Callable[[torch.Tensor], torch.Tensor], hi
     blocks = []  # (rows, start, their P)
     for start in range(0, width, block):
         stop = min(start + block, width)
-        probs = probs_of(hidden[alive, start:stop].reshape(-1, hidden.shape[-1])).view(len(alive), stop - start, -1)
+        if start == 0 and first is not None:
+            probs = first
+        else:
+            rows = hidden[alive, start:stop].reshape(-1, hidden.shape[-1])
+            probs = probs_of(rows).view(len(alive), stop - start, -1)
         blocks.append((alive, start, probs))
         if stop > k:
             break

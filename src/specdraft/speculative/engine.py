@@ -407,28 +407,32 @@ class Engine:
         accepted = torch.empty(len(rows), dtype=torch.long, device=self.device)
         nxt = torch.empty_like(accepted)
         chances = torch.full(draft.tokens.shape, float("nan"), device=self.device)
-        first = self._first_logits(hidden, [i for key, idx in groups.items() if key != 0 for i in idx])
+        sampled = [idx for key, idx in groups.items() if key != 0]
+        first = self._first_logits(hidden, draft, sampled) if sum(map(len, sampled)) > 1 else {}
         for key, idx in groups.items():
             at = torch.tensor(idx, device=self.device)
             probs = draft.probs[at] if draft.probs is not None else None
-            head = None if first is None or key == 0 else torch.stack([first[i] for i in idx])
             accepted[at], nxt[at], chance = self._verify_group(hidden[at], draft.tokens[at], draft.num_valid[at],
-                                                               probs, rows[idx[0]].group, head)
+                                                               probs, rows[idx[0]].group, first.get(idx[0]))
             if chance is not None:
                 chances[at, : chance.shape[1]] = chance
         return accepted, nxt, chances
 
-    def _first_logits(self, hidden: torch.Tensor, sampled: list[int]) -> dict[int, torch.Tensor] | None:
-        """Row -> logits [SAMPLED_HEAD_BLOCK or fewer positions, V] of the first block of positions
-        for the rows of several sampling groups (a server's requests), from one head call: per group
-        the head's table was read once per request and round (4 passes for 4 sampled requests where
-        one does). The head scores each row on its own, so a row's logits are what its group alone
-        gets. None for fewer than two such rows."""
-        if len(sampled) < 2:
-            return None
-        at = torch.tensor(sampled, device=self.device)
-        logits = self.model.logits(hidden[at, : min(SAMPLED_HEAD_BLOCK, hidden.shape[1])])
-        return dict(zip(sampled, logits.unbind(0)))
+    def _first_logits(self, hidden: torch.Tensor, draft: Draft, groups: list[list[int]]) -> dict[int, torch.Tensor]:
+        """For several sampling groups (a server's requests: a group each), each group's first
+        block of logits [rows, positions, V], keyed by its first row, from one head call: scored
+        group by group, the head's table was read once per request and round (4 passes for 4
+        sampled requests where one does). A group gets the positions its own verification scores
+        first (SAMPLED_HEAD_BLOCK, fewer for fewer drafts), and the head scores each row on its
+        own, so they are the logits it would get alone."""
+        spans, pairs = [], []
+        for idx in groups:
+            width = int(draft.num_valid[idx].max()) if draft.tokens.shape[1] else 0
+            spans.append(min(SAMPLED_HEAD_BLOCK, width + 1))
+            pairs += [(i, j) for i in idx for j in range(spans[-1])]
+        rows, positions = (torch.tensor(x, device=self.device) for x in zip(*pairs))
+        logits = self.model.logits(hidden[rows, positions]).split([len(idx) * n for idx, n in zip(groups, spans)])
+        return {idx[0]: block.view(len(idx), n, -1) for idx, n, block in zip(groups, spans, logits)}
 
     def _verify_group(self, hidden, drafts, num_valid, q, group: SamplingGroup, first: torch.Tensor | None = None):
         """`first`: the group's first block of logits when they were computed with other groups'."""
@@ -440,7 +444,7 @@ class Engine:
         drafts = drafts[:, :width]
         uniforms = acceptance_uniforms(drafts.shape[0], width, group.generator, drafts.device)
         if first is not None:
-            first = probabilities(first[:, : min(SAMPLED_HEAD_BLOCK, width + 1)], group.params)
+            first = probabilities(first, group.params)
         probs = sampled_probs_blockwise(lambda rows: probabilities(self.model.logits(rows), group.params),
                                         hidden[:, : width + 1], drafts, q, num_valid, uniforms, first=first)
         accepted, nxt = verify_sampling(probs, drafts, q, num_valid, group.generator, uniforms)

@@ -97,9 +97,7 @@ def verify_sampling(
     b, k = drafts.shape
     p_draft, q_draft = _draft_likelihoods(target_probs, drafts, draft_probs)
     r = acceptance_uniforms(b, k, generator, drafts.device) if uniforms is None else uniforms
-    # r < p/q without dividing (q > 0 for any drawn token).
-    accept = (r * q_draft < p_draft) & _valid(num_valid, k)
-    n = _accepted_prefix(accept)
+    n = _accepted_prefix(_accepts(p_draft, q_draft, r, _valid(num_valid, k)))
 
     if k == 0:  # a plain round: the draw from P_0 itself (what the residual steps below give)
         return n, draw_tokens(target_probs[:, 0], generator)
@@ -121,6 +119,11 @@ def verify_sampling(
     residual = torch.where(total > 0, residual, p_at)
     token = draw_tokens(residual, generator)
     return n, token
+
+
+def _accepts(p_draft: torch.Tensor, q_draft: torch.Tensor, uniforms: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Which drafts pass: u < P/Q, as u * Q < P without dividing (Q > 0 for any drawn token)."""
+    return (uniforms * q_draft < p_draft) & valid
 
 
 def acceptance_uniforms(rows: int, k: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -160,7 +163,7 @@ def sampled_probs_blockwise(probs_of: Callable[[torch.Tensor], torch.Tensor], hi
             break
         p_draft, q_draft = _draft_likelihoods(probs, drafts[alive, start:stop],
                                               _positions(draft_probs, alive, start, stop))
-        accepted = (uniforms[alive, start:stop] * q_draft < p_draft) & valid[alive, start:stop]
+        accepted = _accepts(p_draft, q_draft, uniforms[alive, start:stop], valid[alive, start:stop])
         alive = alive[accepted.all(dim=1)]
         if len(alive) == 0:
             break

@@ -52,6 +52,8 @@ def quantisation_bound(x: torch.Tensor, blocks: Blocks) -> torch.Tensor:
     (16, -32, 31, False, 256),  # Q6_K
     (32, 0, 15, True, 320),  # Q4_K (4-bit codes, kept two a byte)
     (32, -8, 7, False, 64),  # Q4_0
+    (16, -8, 7, False, 128),  # 4-bit codes in groups of 16
+    (32, 0, 100, False, 96),  # codes spanning 101 values: every product pair widened on AVX2
 ])
 def test_kernel_is_within_the_quantisation_bound_and_row_invariant(group, low, high, offsets, k) -> None:
     blocks = random_blocks(48, k, group, low, high, offsets, seed=k)
@@ -75,6 +77,23 @@ def test_kernel_is_within_the_quantisation_bound_and_row_invariant(group, low, h
                 assert torch.equal(layer(x[i:i + 1]), y[i:i + 1])
     finally:
         torch.set_num_threads(threads)
+
+
+@kernel
+@pytest.mark.parametrize("group,span", [(32, 15), (16, 15), (32, 31), (16, 63), (32, 64), (32, 65), (32, 128)])
+def test_16_bit_sums_at_their_largest_stay_exact(group: int, span: int) -> None:
+    """The AVX2 loop adds as many pair sums in 16 bits as the codes' span allows before widening
+    them: at the extreme (codes at the top of the span, activations at +-127 with one sign) the
+    sums reach that bound, and an overflow would be off by 65536 code units or saturate."""
+    n, k, low = 16, 256, -(span // 2)
+    codes = torch.full((n, k), low + span, dtype=torch.int16)
+    codes[:, ::7] = low  # the smallest code: unsigned codes u = c - low reach `span`
+    blocks = Blocks(codes.to(torch.int8), torch.full((n, k // group), 1.0 / 1024), None, group)
+    layer = Q8ActLinear(blocks, None)
+    assert layer.code_max == span
+    x = torch.stack([torch.ones(k), -torch.ones(k), torch.linspace(-1, 1, k)])  # q = +-127 per input
+    exact = x.double() @ blocks.dequantized().double().T
+    assert torch.allclose(layer(x).double(), exact, rtol=1e-5, atol=1e-3)
 
 
 @pytest.mark.skipif(not (q8_act_linear.kernel_available() and build.avx512_here()),

@@ -55,9 +55,10 @@ def by_output_block(t: torch.Tensor) -> torch.Tensor:
     return t.view(n // OUT_BLOCK, OUT_BLOCK, groups).permute(0, 2, 1).contiguous()
 
 
-def q8_act_mm(rows: torch.Tensor, codes: torch.Tensor, layout: int, base: int, scales: torch.Tensor,
+def q8_act_mm(rows: torch.Tensor, codes: torch.Tensor, layout: int, base: int, code_max: int, scales: torch.Tensor,
               offsets: torch.Tensor | None, n: int, group: int) -> torch.Tensor:
-    """rows [M, K] float32 -> [M, N] float32 (see the module docstring)."""
+    """rows [M, K] float32 -> [M, N] float32 (see the module docstring); code_max: the largest code
+    as the layout keeps it (unsigned, or |c| for signed bytes), which bounds the AVX2 loop's sums."""
     rows = rows.float().contiguous()
     m, k = rows.shape
     out = torch.empty(m, n, dtype=torch.float32)
@@ -69,7 +70,7 @@ def q8_act_mm(rows: torch.Tensor, codes: torch.Tensor, layout: int, base: int, s
     lib.q8_act_quantize(rows.data_ptr(), m, k, group, q.data_ptr(), a.data_ptr(), b.data_ptr(), sums.data_ptr(),
                         threads)
     lib.q8_act_gemv(q.data_ptr(), a.data_ptr(), b.data_ptr(), sums.data_ptr(), codes.data_ptr(), layout, base,
-                    scales.data_ptr(), None if offsets is None else offsets.data_ptr(), out.data_ptr(), m, n, k,
+                    code_max, scales.data_ptr(), None if offsets is None else offsets.data_ptr(), out.data_ptr(), m, n, k,
                     group, threads)
     return out
 
@@ -114,8 +115,10 @@ class Q8ActLinear(nn.Module):
         if signed:
             self.code_base = 0
             codes = blocks.codes.view(torch.uint8)  # the int8 bits as they are
+            self.code_max = int(blocks.codes.to(torch.int16).abs().max())
         else:
             codes = (blocks.codes.to(torch.int16) - base).to(torch.uint8)
+            self.code_max = span
         self.register_buffer("packed_codes", interleave_codes(codes, self.nibbles))
         self.register_buffer("scales", by_output_block(blocks.scales.float()))
         self.register_buffer("offsets", None if blocks.offsets is None else by_output_block(blocks.offsets.float()))
@@ -124,8 +127,8 @@ class Q8ActLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         mm = q8_act_mm_op if torch.compiler.is_compiling() else q8_act_mm
-        y = mm(rows, self.packed_codes, self.layout, self.code_base, self.scales, self.offsets, self.out_features,
-               self.group)
+        y = mm(rows, self.packed_codes, self.layout, self.code_base, self.code_max, self.scales, self.offsets,
+               self.out_features, self.group)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -134,7 +137,7 @@ q8_act_mm_op = torch.library.custom_op("specdraft::q8_act_mm", q8_act_mm, mutate
 
 
 @q8_act_mm_op.register_fake
-def _(rows, codes, layout, base, scales, offsets, n, group):
+def _(rows, codes, layout, base, code_max, scales, offsets, n, group):
     return rows.new_empty(rows.shape[0], n, dtype=torch.float32)
 
 

@@ -38,7 +38,7 @@ SIGNATURES = {  # name: argument types (every kernel returns nothing)
                    + [_I64] * 6 + [_FLOAT, _FLOAT, _PTR, _INT],
     "q8_quantize_rows": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
     "q8_act_quantize": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
-    "q8_act_gemv": [_PTR] * 5 + [_INT, _INT] + [_PTR] * 3 + [_I64] * 4 + [_INT],
+    "q8_act_gemv": [_PTR] * 5 + [_INT, _INT, _INT] + [_PTR] * 3 + [_I64] * 4 + [_INT],
     "q8_gemv": [_PTR] * 5 + [_I64] * 3 + [_INT],
     "screen_candidates": [_PTR, _PTR, _I64, _I64, _I64, _PTR, _PTR, _INT],
     "rescore_candidates": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT],

@@ -26,6 +26,7 @@ typedef struct {
     int64_t group;
     const float *bias; /* NULL: none */
     int64_t base; /* packed codes: the code of nibble 0; q8_act: the code of byte 0 */
+    int64_t code_max; /* q8_act: the largest code as stored (unsigned; signed bytes: the largest |c|) */
 } Linear;
 
 /* y [M, N] = x [M, K] W^T + bias, as the layer's per-op path computes it (Fp16Linear, BlockLinear,
@@ -43,8 +44,8 @@ static void linear(const Linear *W, const float *x, float *y, int64_t M, int64_t
         int32_t *sums = (int32_t *)(b + M * K / W->group);
         int8_t *q = (int8_t *)(sums + M * K / W->group);
         q8_act_quantize(x, M, K, W->group, q, a, b, sums, threads);
-        q8_act_gemv(q, a, b, sums, W->weights, W->kind - LINEAR_Q8_ACT, (int32_t)W->base, W->scales,
-                    W->offsets, y, M, N, K, W->group, threads);
+        q8_act_gemv(q, a, b, sums, W->weights, W->kind - LINEAR_Q8_ACT, (int32_t)W->base, (int32_t)W->code_max,
+                    W->scales, W->offsets, y, M, N, K, W->group, threads);
     } else if (W->kind == LINEAR_PACKED_BLOCKS)
         block_gemv_packed(x, W->weights, W->scales, W->offsets, W->base, y, M, N, K, threads);
     else

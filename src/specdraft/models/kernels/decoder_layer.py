@@ -16,7 +16,7 @@ class Linear(ctypes.Structure):
     """A projection as decoder_layer.c multiplies by it: fp16_gemv tiles or block_gemv blocks."""
 
     _fields_ = [("kind", _INT), ("weights", _P), ("scales", _P), ("offsets", _P), ("group", _I64), ("bias", _P),
-                ("base", _I64)]
+                ("base", _I64), ("code_max", _I64)]
 
 
 FP16_TILES, BLOCKS, PACKED_BLOCKS, Q8_ACT = 0, 1, 2, 3  # Q8_ACT + Q8ActLinear.layout: 3, 4, 5
@@ -29,7 +29,7 @@ def linear_weights(m) -> Linear:
 
     if type(m) is Q8ActLinear:
         return Linear(Q8_ACT + m.layout, m.packed_codes.data_ptr(), m.scales.data_ptr(),
-                      pointer(m.offsets), m.group, pointer(m.bias), m.code_base)
+                      pointer(m.offsets), m.group, pointer(m.bias), m.code_base, m.code_max)
     if type(m) is BlockLinear and m.nibbles is not None:
         return Linear(PACKED_BLOCKS, m.nibbles.data_ptr(), m.scales.data_ptr(), pointer(m.offsets), m.group,
                       pointer(m.bias), m.code_base)

@@ -203,7 +203,7 @@ TILE(8, ntile, 1)
     }
 
 #define ROWS_PER_PASS ROW_BLOCK
-#define ROW_TILES(mb, layout, ...)                                                                    \
+#define ROW_TILES(mb, layout, chain, ...) /* one multiply-add a step: no widening to save */        \
     if (layout == Q8_NIBBLES) { BY_ROWS8(mb, ntile, __VA_ARGS__) }                                 \
     else { BY_ROWS8(mb, tile, __VA_ARGS__) } /* vpdpbusd takes any unsigned byte: no Q8_SIGNED here */
 #else
@@ -215,44 +215,57 @@ TILE(8, ntile, 1)
  * Wider codes (Q8_0, int8_blocks) come signed (layout Q8_SIGNED, base 0): |c| as unsigned bytes
  * times the activations with c's sign, 2 x 128 x 127 at most. A tile does the 16-output block's
  * two halves of 8 one after the other: 4 rows of int32 and float32 accumulators then fit the 16
- * registers. */
+ * registers.
+ *
+ * Narrow codes need fewer widenings: with codes u <= code_max a pair sum is at most
+ * 2 x 127 x code_max, so several add exactly in 16 bits (vpaddw) before one vpmaddwd widens
+ * them: CHAIN step pairs (4 pair sums) a widening, 4 for 4-bit codes (a whole group of 32), 2 for
+ * 5-bit, 1 for 6-bit, 0 = every pair sum widened (8-bit). The integers are the same, so are the
+ * bits; what it saves is multiplier work: on AMD's Zen 1-3, vpmaddubsw and vpmaddwd share one
+ * vector pipe, and a widening per product pair is half of a wide call's time there. */
 static inline __m256i bcast4(const int8_t *q) { return _mm256_set1_epi32(*(const int32_t *)q); }
-static inline __m256i dot4(__m256i u, __m256i x) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
-}
 
-#define TILE(MB, NAME, LAYOUT)                                                                        \
+#define TILE(MB, NAME, LAYOUT, CHAIN)                                                                 \
 static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, const float *o,          \
                         const int8_t *q, const float *a, const float *b, const int32_t *sums,       \
                         float *y, int64_t m0, int64_t K, int64_t G, int64_t N, int64_t n0) {        \
-    const int64_t groups = K / G, steps = G / 4;                                                    \
-    const __m256i low = _mm256_set1_epi8(15);                                                       \
+    const int64_t groups = K / G, steps = G / 4, run = CHAIN ? CHAIN : 1;                           \
+    const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                         \
     for (int h = 0; h < 2; h++) {                                                                   \
         __m256 acc[MB];                                                                             \
         for (int r = 0; r < MB; r++) acc[r] = _mm256_setzero_ps();                                 \
         for (int64_t g = 0; g < groups; g++) {                                                      \
-            __m256i sum[MB];                                                                        \
+            __m256i sum[MB], part[MB];                                                              \
             for (int r = 0; r < MB; r++) sum[r] = _mm256_setzero_si256();                           \
-            for (int64_t st = 0; st < steps; st += 2) {                                             \
-                const int64_t k = g * G + 4 * st;                                                   \
-                __m256i w0, w1;                                                                     \
-                if (LAYOUT == Q8_NIBBLES) {                                                         \
-                    const __m256i byte = _mm256_loadu_si256((const __m256i *)(codes + (g * steps + st) * 32 + 32 * h)); \
-                    w0 = _mm256_and_si256(byte, low);                                               \
-                    w1 = _mm256_and_si256(_mm256_srli_epi16(byte, 4), low);                         \
-                } else {                                                                            \
-                    w0 = _mm256_loadu_si256((const __m256i *)(codes + (g * steps + st) * 64 + 32 * h)); \
-                    w1 = _mm256_loadu_si256((const __m256i *)(codes + (g * steps + st + 1) * 64 + 32 * h)); \
+            for (int64_t st0 = 0; st0 < steps; st0 += 2 * run) {                                    \
+                for (int64_t c = 0; c < run; c++) {                                                 \
+                    const int64_t st = st0 + 2 * c, k = g * G + 4 * st;                             \
+                    __m256i w0, w1;                                                                 \
+                    if (LAYOUT == Q8_NIBBLES) {                                                     \
+                        const __m256i byte = _mm256_loadu_si256((const __m256i *)(codes + (g * steps + st) * 32 + 32 * h)); \
+                        w0 = _mm256_and_si256(byte, low);                                           \
+                        w1 = _mm256_and_si256(_mm256_srli_epi16(byte, 4), low);                     \
+                    } else {                                                                        \
+                        w0 = _mm256_loadu_si256((const __m256i *)(codes + (g * steps + st) * 64 + 32 * h)); \
+                        w1 = _mm256_loadu_si256((const __m256i *)(codes + (g * steps + st + 1) * 64 + 32 * h)); \
+                    }                                                                               \
+                    /* signed codes: |c| (-128 -> 128 as an unsigned byte), the sign goes to the rows */ \
+                    const __m256i u0 = LAYOUT == Q8_SIGNED ? _mm256_sign_epi8(w0, w0) : w0;        \
+                    const __m256i u1 = LAYOUT == Q8_SIGNED ? _mm256_sign_epi8(w1, w1) : w1;        \
+                    for (int r = 0; r < MB; r++) {                                                  \
+                        const int8_t *qr = q + (m0 + r) * K + k;                                    \
+                        __m256i x0 = bcast4(qr), x1 = bcast4(qr + 4);                               \
+                        if (LAYOUT == Q8_SIGNED) x0 = _mm256_sign_epi8(x0, w0), x1 = _mm256_sign_epi8(x1, w1); \
+                        const __m256i p0 = _mm256_maddubs_epi16(u0, x0), p1 = _mm256_maddubs_epi16(u1, x1); \
+                        if (CHAIN == 0)                                                             \
+                            sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), \
+                                                                               _mm256_madd_epi16(p1, ones))); \
+                        else                                                                        \
+                            part[r] = c ? _mm256_add_epi16(part[r], _mm256_add_epi16(p0, p1)) : _mm256_add_epi16(p0, p1); \
+                    }                                                                               \
                 }                                                                                   \
-                /* signed codes: |c| (-128 -> 128 as an unsigned byte), the sign goes to the rows */ \
-                const __m256i u0 = LAYOUT == Q8_SIGNED ? _mm256_sign_epi8(w0, w0) : w0;            \
-                const __m256i u1 = LAYOUT == Q8_SIGNED ? _mm256_sign_epi8(w1, w1) : w1;            \
-                for (int r = 0; r < MB; r++) {                                                      \
-                    const int8_t *qr = q + (m0 + r) * K + k;                                        \
-                    __m256i x0 = bcast4(qr), x1 = bcast4(qr + 4);                                   \
-                    if (LAYOUT == Q8_SIGNED) x0 = _mm256_sign_epi8(x0, w0), x1 = _mm256_sign_epi8(x1, w1); \
-                    sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(dot4(u0, x0), dot4(u1, x1)));  \
-                }                                                                                   \
+                if (CHAIN)                                                                          \
+                    for (int r = 0; r < MB; r++) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], ones)); \
             }                                                                                       \
             const __m256 sg = _mm256_loadu_ps(s + g * OUT_BLOCK + 8 * h);                           \
             for (int r = 0; r < MB; r++) {                                                          \
@@ -268,25 +281,45 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, cons
 }
 
 /* NAME_1 .. NAME_4, for the rows a pass takes (BY_ROWS). */
-#define TILES(NAME, LAYOUT) TILE(1, NAME, LAYOUT) TILE(2, NAME, LAYOUT) TILE(3, NAME, LAYOUT) TILE(4, NAME, LAYOUT)
-TILES(tile, Q8_BYTES)
-TILES(ntile, Q8_NIBBLES)
-TILES(stile, Q8_SIGNED)
+#define TILES(NAME, LAYOUT, CHAIN) TILE(1, NAME, LAYOUT, CHAIN) TILE(2, NAME, LAYOUT, CHAIN) \
+    TILE(3, NAME, LAYOUT, CHAIN) TILE(4, NAME, LAYOUT, CHAIN)
+TILES(tile, Q8_BYTES, 0)
+TILES(tile1, Q8_BYTES, 1)
+TILES(tile2, Q8_BYTES, 2)
+TILES(tile4, Q8_BYTES, 4)
+TILES(ntile2, Q8_NIBBLES, 2)
+TILES(ntile4, Q8_NIBBLES, 4)
+TILES(stile, Q8_SIGNED, 0)
 
 #define ROWS_PER_PASS 4
-#define ROW_TILES(mb, layout, ...)                                                                    \
-    if (layout == Q8_NIBBLES) { BY_ROWS(mb, ntile, __VA_ARGS__) }                                  \
-    else if (layout == Q8_SIGNED) { BY_ROWS(mb, stile, __VA_ARGS__) }                              \
+#define ROW_TILES(mb, layout, chain, ...)                                                             \
+    if (layout == Q8_NIBBLES) {                                                                     \
+        if (chain >= 4) { BY_ROWS(mb, ntile4, __VA_ARGS__) } else { BY_ROWS(mb, ntile2, __VA_ARGS__) } \
+    } else if (layout == Q8_SIGNED) { BY_ROWS(mb, stile, __VA_ARGS__) }                            \
+    else if (chain >= 4) { BY_ROWS(mb, tile4, __VA_ARGS__) }                                       \
+    else if (chain == 2) { BY_ROWS(mb, tile2, __VA_ARGS__) }                                       \
+    else if (chain == 1) { BY_ROWS(mb, tile1, __VA_ARGS__) }                                       \
     else { BY_ROWS(mb, tile, __VA_ARGS__) }
 #endif
 
+/* Step pairs whose 16-bit pair sums add exactly before a widening (the AVX2 loop's CHAIN): 4 pair
+ * sums of at most 2 x 127 x code_max each per step pair, within a group (G / 8 step pairs). */
+static int widen_chain(int32_t code_max, int64_t G)
+{
+    int chain = 0;
+    for (int c = 1; c <= 4 && c <= G / 8; c *= 2)
+        if (4 * c * 127 * code_max <= 32767) chain = c;
+    return chain;
+}
+
 /* q, a, b, sums: the rows as q8_act_quantize gives them; codes u = c - base: [N/16, K/4, 16, 4] uint8
  * (layout Q8_NIBBLES: [N/16, K/8, 16, 4], low nibble step 2j, high step 2j + 1; Q8_SIGNED, AVX2
- * builds only: the signed codes, base 0); s, o: [N/16, K/G, 16] float32 (o may be NULL: no offsets);
+ * builds only: the signed codes, base 0); code_max: the largest u (or |c|) in the matrix, which
+ * bounds the AVX2 loop's 16-bit sums; s, o: [N/16, K/G, 16] float32 (o may be NULL: no offsets);
  * y [M, N]. N a multiple of 16, K of G and 32. */
 void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t *sums, const uint8_t *codes,
-                 int layout, int32_t base, const float *s, const float *o, float *y, int64_t M, int64_t N, int64_t K,
-                 int64_t G, int threads)
+                 int layout, int32_t base, int32_t code_max, const float *s, const float *o, float *y, int64_t M,
+                 int64_t N, int64_t K, int64_t G, int threads)
 {
     /* No software prefetch: each thread reads its blocks as one contiguous stream, which the
      * hardware prefetcher follows; fetching the next block ahead (or 4-16 lines ahead) read the
@@ -294,12 +327,13 @@ void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t 
     const int nibbles = layout == Q8_NIBBLES;
     const int64_t blocks = N / OUT_BLOCK, block_bytes = nibbles ? K * OUT_BLOCK / 2 : K * OUT_BLOCK;
     const int64_t block_scales = (K / G) * OUT_BLOCK;
+    const int chain = layout == Q8_SIGNED ? 0 : widen_chain(layout == Q8_NIBBLES ? 15 : code_max, G);
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t nb = 0; nb < blocks; nb++) {
         const uint8_t *c = codes + nb * block_bytes;
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
             const int mb = (int)(M - m0 < ROWS_PER_PASS ? M - m0 : ROWS_PER_PASS);
-            ROW_TILES(mb, layout, c, base, s + nb * block_scales, o ? o + nb * block_scales : 0, q, a, b, sums, y,
+            ROW_TILES(mb, layout, chain, c, base, s + nb * block_scales, o ? o + nb * block_scales : 0, q, a, b, sums, y,
                       m0, K, G, N, nb * OUT_BLOCK)
         }
     }

@@ -340,7 +340,7 @@ def forward_code_digest() -> str:
     cheaper or dearer, or times them differently, re-profiles instead of trusting an old table."""
     root = Path(__file__).resolve().parents[1]
     files = sorted([*(root / "models").rglob("*.py"), *(root / "models").rglob("*.c"),
-                    *(root / "drafters").rglob("*.py")])
+                    *(root / "models").rglob("*.h"), *(root / "drafters").rglob("*.py")])
     files += [root / "kv_cache.py", Path(__file__).resolve()]
     digest = hashlib.sha1()
     for f in files:

@@ -173,21 +173,45 @@ def test_seeded_sampling_is_the_same_alone_and_in_company(gemma_tiny, prompts, m
     assert alone(SamplingParams(temperature=1.0, top_p=0.95, seed=1235)).token_ids != a.token_ids
 
 
+def count_head_passes(monkeypatch) -> list[int]:
+    """Rows per pass over the head's table (every greedy, logits or mixed call goes through
+    models.target.head_scores when there is no screened head), appended as they happen."""
+    from specdraft.models import target
+
+    scored, inner = [], target.head_scores
+
+    def counting(model, hidden):
+        scored.append(hidden.shape[:-1].numel())
+        return inner(model, hidden)
+
+    monkeypatch.setattr(target, "head_scores", counting)
+    return scored
+
+
 def test_sampled_requests_in_company_share_one_head_pass(gemma_tiny, prompts, monkeypatch) -> None:
     """Three sampled requests, each its own random stream: a decoding round scores their first
     block of positions in one head call over all three rows, not one call per request."""
-    model = gemma_tiny.ours
-    scored, logits = [], model.logits
-
-    def counting(hidden):
-        scored.append(hidden.shape[:-1].numel())
-        return logits(hidden)
-
-    monkeypatch.setattr(model, "logits", counting)
+    scored = count_head_passes(monkeypatch)
     requests = [Request(p, 24, SamplingParams(temperature=1.0, seed=i), eos_token_ids=[]) for i, p in enumerate(prompts[:3])]
-    done = run_concurrently(Engine(model, None, None, 3), requests)
+    done = run_concurrently(Engine(gemma_tiny.ours, None, None, 3), requests)
     assert all(len(done[r.id].token_ids) == 24 for r in requests)
     assert scored.count(3) >= 20 and scored.count(1) <= 3  # one shared call a round (1-row calls: prefills)
+
+
+def test_greedy_and_sampled_requests_share_one_head_pass_and_keep_their_tokens(gemma_tiny, prompts,
+                                                                                monkeypatch) -> None:
+    """Two greedy and two sampled requests decoding together: one head call a round for all four
+    rows (the greedy rows' argmax from the same scores), and each request's tokens are those it
+    gets alone (greedy: the same argmax; sampled: the same logits and stream)."""
+    model = gemma_tiny.ours
+    requests = [Request(p, 20, eos_token_ids=[]) for p in prompts[:2]]
+    requests += [Request(p, 20, SamplingParams(temperature=1.0, seed=i), eos_token_ids=[])
+                 for i, p in enumerate(prompts[2:4])]
+    alone = [run_concurrently(Engine(model, None, None, 3), [r])[r.id].token_ids for r in requests]
+    scored = count_head_passes(monkeypatch)
+    together = run_concurrently(Engine(model, None, None, 3), requests)
+    assert [together[r.id].token_ids for r in requests] == alone
+    assert scored.count(4) >= 15 and scored.count(2) == 0  # one pass a round, never a greedy/sampled pair
 
 
 def test_unseeded_sampling_leaves_the_global_rng_alone_and_reports_its_seed(gemma_tiny, prompts) -> None:

@@ -55,6 +55,10 @@ class TargetModel(Protocol):
     def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         """Raw head scores [..., V] (model dtype, or float32 from the int8 head): same argmax as `logits`."""
 
+    def head_outputs(self, hidden: torch.Tensor, greedy_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [N, H] -> (`greedy_tokens` of the first `greedy_rows` rows, `logits` of the rest),
+        each row's as a call of its own would give it."""
+
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., H] -> the greedy next token [...] (argmax of the head's scores)."""
 
@@ -128,3 +132,13 @@ class CachedDecoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden [..., H] -> logits [..., V] in float32 (final softcap applied)."""
         return softcap(head_scores(self, hidden).float(), self.config.final_softcap)
+
+    def head_outputs(self, hidden: torch.Tensor, greedy_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy rows and sampled rows in one pass over the head's table where both come from the
+        same scores (a CPU head pass costs ~3 rows' multiplies in reading the table: a server
+        round with greedy and sampled requests read it twice). The screened head finds greedy
+        tokens without the scores: two calls there."""
+        if self.screened_head is not None:
+            return self.greedy_tokens(hidden[:greedy_rows]), self.logits(hidden[greedy_rows:])
+        scores = head_scores(self, hidden).float()
+        return argmax_last(scores[:greedy_rows]), softcap(scores[greedy_rows:], self.config.final_softcap)

@@ -32,7 +32,7 @@ from specdraft.speculative.policy import DraftPolicy, FixedPolicy
 from specdraft.speculative.request import GenerationResult, Request, SamplingGroup
 from specdraft.speculative.stats import RequestStats, Timer
 from specdraft.speculative.stops import StopChecker
-from specdraft.speculative.verify import (SAMPLED_HEAD_BLOCK, acceptance_chances, acceptance_uniforms,
+from specdraft.speculative.verify import (HEAD_BLOCK, SAMPLED_HEAD_BLOCK, acceptance_chances, acceptance_uniforms,
                                           sampled_probs_blockwise, verify_greedy_blockwise, verify_sampling)
 from specdraft.tokenizer import Tokenizer
 
@@ -408,7 +408,7 @@ class Engine:
         nxt = torch.empty_like(accepted)
         chances = torch.full(draft.tokens.shape, float("nan"), device=self.device)
         sampled = [idx for key, idx in groups.items() if key != 0]
-        first = self._first_logits(hidden, draft, sampled) if sum(map(len, sampled)) > 1 else {}
+        first = self._first_blocks(hidden, draft, groups.get(0, []), sampled)
         for key, idx in groups.items():
             at = torch.tensor(idx, device=self.device)
             probs = draft.probs[at] if draft.probs is not None else None
@@ -418,26 +418,34 @@ class Engine:
                 chances[at, : chance.shape[1]] = chance
         return accepted, nxt, chances
 
-    def _first_logits(self, hidden: torch.Tensor, draft: Draft, groups: list[list[int]]) -> dict[int, torch.Tensor]:
-        """For several sampling groups (a server's requests: a group each), each group's first
-        block of logits [rows, positions, V], keyed by its first row, from one head call: scored
-        group by group, the head's table was read once per request and round (4 passes for 4
-        sampled requests where one does). A group gets the positions its own verification scores
-        first (SAMPLED_HEAD_BLOCK, fewer for fewer drafts), and the head scores each row on its
-        own, so they are the logits it would get alone."""
-        spans, pairs = [], []
-        for idx in groups:
+    def _first_blocks(self, hidden: torch.Tensor, draft: Draft, greedy: list[int],
+                      sampled: list[list[int]]) -> dict[int, torch.Tensor]:
+        """For a round with several groups to verify (a server's requests: greedy ones together,
+        each sampled one a group), each group's first block from one head call, keyed by its
+        first row: the greedy rows' tokens [rows, positions], each sampling group's logits [rows,
+        positions, V]. Scored group by group, the head's table was read once per group and round
+        (4 passes for 4 sampled requests where one does). A group gets the positions its own
+        verification scores first (HEAD_BLOCK for greedy rows; SAMPLED_HEAD_BLOCK, fewer for
+        fewer drafts, for sampled ones), and the head scores each row on its own, so they are the
+        tokens and logits it would get alone."""
+        greedy_span = min(HEAD_BLOCK, hidden.shape[1]) if greedy else 0
+        pairs = [(i, j) for i in greedy for j in range(greedy_span)]
+        spans = []
+        for idx in sampled:
             width = int(draft.num_valid[idx].max()) if draft.tokens.shape[1] else 0
             spans.append(min(SAMPLED_HEAD_BLOCK, width + 1))
             pairs += [(i, j) for i in idx for j in range(spans[-1])]
         rows, positions = (torch.tensor(x, device=self.device) for x in zip(*pairs))
-        logits = self.model.logits(hidden[rows, positions]).split([len(idx) * n for idx, n in zip(groups, spans)])
-        return {idx[0]: block.view(len(idx), n, -1) for idx, n, block in zip(groups, spans, logits)}
+        tokens, logits = self.model.head_outputs(hidden[rows, positions], len(greedy) * greedy_span)
+        first = {greedy[0]: tokens.view(len(greedy), greedy_span)} if greedy else {}
+        blocks = logits.split([len(idx) * n for idx, n in zip(sampled, spans)])
+        return first | {idx[0]: block.view(len(idx), n, -1) for idx, n, block in zip(sampled, spans, blocks)}
 
     def _verify_group(self, hidden, drafts, num_valid, q, group: SamplingGroup, first: torch.Tensor | None = None):
-        """`first`: the group's first block of logits when they were computed with other groups'."""
+        """`first`: the group's first block (greedy: tokens, sampled: logits) when it was computed
+        with other groups'."""
         if group.params.greedy:  # only the argmax matters: no V-wide float32 logits
-            return *verify_greedy_blockwise(self.model.greedy_tokens, hidden, drafts, num_valid), None
+            return *verify_greedy_blockwise(self.model.greedy_tokens, hidden, drafts, num_valid, first=first), None
         # Only the group's own drafts: its random draws then never depend on the round's width.
         width = int(num_valid.max()) if drafts.shape[1] else 0
         q = q[:, :width] if q is not None else None

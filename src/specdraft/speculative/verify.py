@@ -44,8 +44,8 @@ SAMPLED_HEAD_BLOCK = 2
 
 
 def verify_greedy_blockwise(greedy_tokens: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-                            drafts: torch.Tensor, num_valid: torch.Tensor,
-                            block: int = HEAD_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+                            drafts: torch.Tensor, num_valid: torch.Tensor, block: int = HEAD_BLOCK,
+                            first: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """verify_greedy with the head's argmax computed `block` positions at a time, and only where
     it can matter: a row's positions past its first rejected draft never reach the head.
 
@@ -53,18 +53,23 @@ def verify_greedy_blockwise(greedy_tokens: Callable[[torch.Tensor], torch.Tensor
     model's contract, kept by the head kernels), so scoring a subset of rows gives every row the
     token it gets in the full call: the same verdicts. On a CPU the LM head is ~40% of a step
     and costs about the same for 1 to 4 rows (one pass over its table), so a 9-wide lookup
-    verification whose first draft fails pays one pass instead of three."""
+    verification whose first draft fails pays one pass instead of three. `first`: the first
+    block's tokens [B, min(block, K+1)] when the caller has them (the engine scores a round's
+    greedy and sampled rows' first blocks in one head call)."""
     b, width, h = hidden.shape
     if width <= block:  # one block (plain steps, K < block): the plain call, no row bookkeeping
-        return verify_greedy(greedy_tokens(hidden), drafts, num_valid)
+        return verify_greedy(first if first is not None else greedy_tokens(hidden), drafts, num_valid)
     k = drafts.shape[1]
     valid = _valid(num_valid, k)
     choice = torch.zeros(b, width, dtype=torch.long, device=hidden.device)
     alive = torch.arange(b, device=hidden.device)  # rows whose drafts so far all matched
     for start in range(0, width, block):
         stop = min(start + block, width)
-        rows = hidden[alive, start:stop].reshape(-1, h)
-        choice[alive, start:stop] = greedy_tokens(rows).view(len(alive), stop - start)
+        if start == 0 and first is not None:
+            choice[:, :stop] = first
+        else:
+            rows = hidden[alive, start:stop].reshape(-1, h)
+            choice[alive, start:stop] = greedy_tokens(rows).view(len(alive), stop - start)
         if stop > k:
             break
         matched = ((drafts[alive, start:stop] == choice[alive, start:stop]) & valid[alive, start:stop]).all(dim=1)

@@ -212,6 +212,34 @@ def test_a_run_with_auto_reports_it_against_the_best_fixed_method(tiny_folder, q
     assert "auto against the best fixed method, batch size 1" in text_summary(payload)
 
 
+def test_ignore_eos_generates_every_token_past_an_eos(ctx, monkeypatch):
+    """--ignore-eos: every method (specdraft's and transformers') generates max_new_tokens even
+    where the target emits an EOS id, and greedy methods still agree token for token."""
+    prompts = [[2, 5, 6, 7, 5, 6, 7]]
+    free = build_method("plain", BenchContext(ctx.rt, ctx.sampling, ignore_eos=True)).generate(prompts, 12)
+    tokens = free.rows[0].token_ids
+    assert len(tokens) == 12
+    monkeypatch.setattr(ctx.rt.tokenizer, "eos_token_ids", [tokens[2]])  # the target emits it at step 3
+    stopping = build_method("plain", BenchContext(ctx.rt, ctx.sampling)).generate(prompts, 12).rows[0]
+    assert stopping.token_ids == tokens[: tokens.index(tokens[2]) + 1] and stopping.finish_reason == "eos"
+    ignoring = BenchContext(ctx.rt, ctx.sampling, ignore_eos=True)
+    for name in ("plain", "ngram", "hf"):
+        row = build_method(name, ignoring).generate(prompts, 12).rows[0]
+        assert row.token_ids == tokens and row.finish_reason == "length", name
+
+
+def test_bench_cli_ignore_eos(tiny_folder, questions_file, tmp_path):
+    from specdraft.cli.main import main
+
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(tiny_folder), "--questions", str(questions_file), "--limit-per-category", "1",
+                 "--methods", "plain,ngram", "--max-new-tokens", "9", "--temperature", "1", "--ignore-eos",
+                 "--dtype", "float32", "--device", "cpu", "--out", str(out), "--no-progress", "--no-plots"]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["config"]["ignore_eos"] and all(r["new_tokens"] == 9 for r in data["rows"])
+    assert "EOS ignored" in (out / "results.md").read_text()
+
+
 def test_questions_formats_and_selection(tmp_path, ctx):
     txt = tmp_path / "prompts.txt"
     txt.write_text("w1 w2\n\nw3\n")

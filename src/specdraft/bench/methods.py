@@ -1,7 +1,8 @@
 """One runner per method behind one small interface: ids in, tokens and times out.
 
 Every method gets the same token ids (tokenized once, outside the timer), the same
-max_new_tokens and the same stop rule (the target's EOS ids, nothing else), and is timed
+max_new_tokens and the same stop rule (the target's EOS ids, nothing else; none under
+--ignore-eos, `BenchContext.eos_token_ids`), and is timed
 around its generate call only. A method that cannot run here raises `Skip` with the reason,
 and the benchmark reports it instead of crashing.
 """
@@ -48,6 +49,12 @@ class BenchContext:
     gguf_path: str | None = None  # for llama-cpp; None = derive from the model, or skip
     n_ctx: int = 2048  # llama.cpp context: longest prompt + max_new_tokens + slack
     shared: dict = field(default_factory=dict)  # weights loaded once and shared (hf and hf-pld)
+    ignore_eos: bool = False  # --ignore-eos: every row generates max_new_tokens
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        """The ids every method stops at: the target's EOS ids, or none under --ignore-eos."""
+        return [] if self.ignore_eos else list(self.rt.tokenizer.eos_token_ids)
 
     def runtime(self, weights: str | None):
         """The run's target, or the same model with another weight format (METHOD:WEIGHTS), loaded once."""
@@ -100,9 +107,10 @@ def cut_at_eos(ids: list[int], eos: set[int], max_new: int) -> tuple[list[int], 
 
 class SpecdraftMethod(Method):
     def __init__(self, name: str, rt, drafter, draft_tokens: int, sampling: SamplingParams,
-                 policy: str = "fixed"):
+                 policy: str = "fixed", eos_token_ids: list[int] | None = None):
         super().__init__()
         self.name, self.rt, self.sampling = name, rt, sampling
+        self.eos_token_ids = eos_token_ids  # None: the tokenizer's
         self.engine = rt.engine(drafter, draft_tokens, policy=policy)
         self.draft_tokens = draft_tokens if drafter is not None else 0
         self.drafter_bytes = drafter.nbytes() if drafter is not None else None
@@ -115,7 +123,7 @@ class SpecdraftMethod(Method):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        results = self.engine.generate(prompts, max_new_tokens, self.sampling)
+        results = self.engine.generate(prompts, max_new_tokens, self.sampling, eos_token_ids=self.eos_token_ids)
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
@@ -151,7 +159,7 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
     rt = ctx.runtime(method_weights(name))
     base, folder = split_method(name)  # mtp@FOLDER: another drafter than the run's
     if base == "plain":
-        return SpecdraftMethod(name, rt, None, 0, ctx.sampling)
+        return SpecdraftMethod(name, rt, None, 0, ctx.sampling, eos_token_ids=ctx.eos_token_ids)
     path, kind = None, base
     if base in ("mtp", "mtp+ngram"):
         # Only preset names have shipped drafters (a folder path would resolve to itself).
@@ -173,7 +181,7 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
     # Named drafters run at their fixed K (the draft policy's yardsticks); `auto` is exactly what
     # --drafter auto does: the adaptive policy picks each round's width from measured costs.
     policy = "adaptive" if base == "auto" else "fixed"
-    method = SpecdraftMethod(name, rt, drafter, k, ctx.sampling, policy)
+    method = SpecdraftMethod(name, rt, drafter, k, ctx.sampling, policy, ctx.eos_token_ids)
     method.load_rss_delta = delta
     if base == "auto":
         method.notes.append(f"auto = {kind}" + ("; adaptive draft width per round (0 = plain) from step costs "

@@ -81,9 +81,9 @@ class HFMethod(Method):
     def __init__(self, name: str, model, ctx: BenchContext, prompt_lookup: int | None):
         super().__init__()
         self.name, self.model, self.sampling = name, model, ctx.sampling
-        self.eos = list(ctx.rt.tokenizer.eos_token_ids)
-        pad = ctx.rt.config.pad_token_id
-        self.pad = pad if pad is not None else (self.eos[0] if self.eos else 0)
+        self.eos = ctx.eos_token_ids  # [] under --ignore-eos
+        pad, eos = ctx.rt.config.pad_token_id, ctx.rt.tokenizer.eos_token_ids
+        self.pad = pad if pad is not None else (eos[0] if eos else 0)
         self.device = ctx.rt.device
         self.prompt_lookup = prompt_lookup
         self.draft_tokens = prompt_lookup or 0
@@ -92,7 +92,8 @@ class HFMethod(Method):
 
     def _kwargs(self, max_new_tokens: int) -> dict:
         s = self.sampling
-        kw = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos, pad_token_id=self.pad)
+        # No EOS ids (--ignore-eos): None, so generate() stops at max_new_tokens only.
+        kw = dict(max_new_tokens=max_new_tokens, eos_token_id=self.eos or None, pad_token_id=self.pad)
         if s.greedy:
             kw.update(do_sample=False, top_k=None, top_p=None, temperature=None)
         else:
@@ -197,7 +198,7 @@ class LlamaCppMethod(Method):
     def __init__(self, name: str, llm, ctx: BenchContext, draft_tokens: int):
         super().__init__()
         self.name, self.llm, self.sampling = name, llm, ctx.sampling
-        self.eos = set(ctx.rt.tokenizer.eos_token_ids)
+        self.eos = set(ctx.eos_token_ids)  # empty under --ignore-eos: llm.generate never stops by itself
         self.draft_tokens = draft_tokens
         self.n_ctx = ctx.n_ctx
 

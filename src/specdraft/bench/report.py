@@ -181,7 +181,8 @@ def markdown(payload: dict) -> str:
         f"- questions: {n} from `{Path(cfg['questions']).name}` ({', '.join(cats)})"
         + (f", first {cfg['limit_per_category']} per category" if cfg["limit_per_category"] else ""),
         f"- prompt format: {prompt}",
-        f"- generation: max {cfg['max_new_tokens']} new tokens, stop at EOS only, "
+        f"- generation: max {cfg['max_new_tokens']} new tokens, "
+        + ("EOS ignored (every row generates them all), " if cfg.get("ignore_eos") else "stop at EOS only, ")
         + ("greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']}, seed {cfg['seed']}")
         + f", {cfg['repeats']} repeat(s), one warm-up generation per method and batch size",
         f"- run: {payload['created']}, {payload['elapsed_seconds']:.0f} s",

@@ -46,6 +46,7 @@ class BenchConfig:
     temperature: float = 0.0
     seed: int = 0
     max_new_tokens: int = 128
+    ignore_eos: bool = False  # every row generates max_new_tokens: sampled methods then compare like for like
     repeats: int = 1
     dtype: str = "auto"
     device: str = "auto"
@@ -287,7 +288,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     style = prompt_style(rt.tokenizer)
     ids = [encode(rt.tokenizer, q, style) for q in questions]  # tokenized once, outside every timer
     ctx = BenchContext(rt, sampling, cfg.draft_tokens, cfg.drafter_path, cfg.draft_model, cfg.gguf,
-                       n_ctx=max(len(p) for p in ids) + cfg.max_new_tokens + 64)
+                       n_ctx=max(len(p) for p in ids) + cfg.max_new_tokens + 64, ignore_eos=cfg.ignore_eos)
     methods, skipped = _build_methods(names, ctx)
     built = list(methods)
     for m in methods:

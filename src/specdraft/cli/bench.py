@@ -80,6 +80,10 @@ prompt format: the model's chat template when it has one, else the plain templat
                    help="0 = greedy (default; identical-output rate is only meaningful then)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0 (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt, at most (default 128)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly --max-new-tokens per prompt, past any EOS: at --temperature > 0 "
+                        "each method samples its own text, and an answer that ends early is timed mostly "
+                        "on its prompt, so rates then compare unlike things (greedy runs need not)")
     p.add_argument("--repeats", type=int, default=1, help="measure each batch R times (default 1)")
     p.add_argument("--out", type=Path, default=Path("bench-out"),
                    help="folder for results.json, results.md and the PNG plots (default bench-out)")
@@ -120,7 +124,7 @@ def run(args) -> int:
         limit_per_category=args.limit_per_category, methods=args.methods, drafter_path=args.drafter_path,
         draft_model=args.draft_model, draft_tokens=args.draft_tokens, gguf=args.gguf,
         batch_sizes=args.batch_sizes, temperature=args.temperature, seed=args.seed,
-        max_new_tokens=args.max_new_tokens, repeats=args.repeats, dtype=args.dtype, device=args.device,
+        max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, repeats=args.repeats, dtype=args.dtype, device=args.device,
         threads=args.threads, weights=args.weights, prefill_dtype=args.prefill_dtype, compile=args.compile, out=args.out, progress=not args.no_progress, plots=not args.no_plots,
     )
     _print_outputs("wrote", args.out, run_bench(cfg))

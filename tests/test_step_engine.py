@@ -316,3 +316,26 @@ def test_generate_json_reports_the_seed_that_repeats_the_run(capsys, tmp_path) -
     assert again["seed"] == first["seed"] and again["token_ids"] == first["token_ids"]
     assert main(args[:-3] + ["--json"]) == 0  # greedy without a seed: none to report
     assert json.loads(capsys.readouterr().out)["seed"] is None
+
+
+def test_greedy_and_sampled_requests_in_company_behind_the_screened_head(tmp_path, monkeypatch) -> None:
+    """--weights gguf: the float32 model's screened head finds greedy tokens without scores, so a
+    mixed round takes two head calls there; requests still get their tokens alone, sampled-only
+    rounds included."""
+    from test_gguf_weights import write_quantised_gguf
+    from specdraft.runtime import Runtime
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    rt = Runtime.load(str(write_quantised_gguf(tmp_path / "tiny.gguf", "Q8_0")), dtype="float32", weights="gguf",
+                      progress=False)
+    assert rt.model.screened_head is not None
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, rt.config.vocab_size, (8,), generator=gen).tolist() for _ in range(4)]
+    for greedy in (2, 0):
+        def requests():
+            return [Request(p, 12, SamplingParams() if i < greedy else SamplingParams(temperature=1.0, seed=i),
+                            eos_token_ids=[]) for i, p in enumerate(prompts)]
+        alone = [run_concurrently(Engine(rt.model, None, None, 3), [r])[r.id].token_ids for r in requests()]
+        reqs = requests()
+        together = run_concurrently(Engine(rt.model, None, None, 3), reqs)
+        assert [together[r.id].token_ids for r in reqs] == alone

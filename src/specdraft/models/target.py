@@ -138,7 +138,8 @@ class CachedDecoder(nn.Module):
         same scores (a CPU head pass costs ~3 rows' multiplies in reading the table: a server
         round with greedy and sampled requests read it twice). The screened head finds greedy
         tokens without the scores: two calls there."""
-        if self.screened_head is not None:
-            return self.greedy_tokens(hidden[:greedy_rows]), self.logits(hidden[greedy_rows:])
+        if self.screened_head is not None or greedy_rows == 0:
+            none = torch.empty(0, dtype=torch.long, device=hidden.device)
+            return self.greedy_tokens(hidden[:greedy_rows]) if greedy_rows else none, self.logits(hidden[greedy_rows:])
         scores = head_scores(self, hidden).float()
         return argmax_last(scores[:greedy_rows]), softcap(scores[greedy_rows:], self.config.final_softcap)

@@ -124,7 +124,8 @@ def run(args) -> int:
         limit_per_category=args.limit_per_category, methods=args.methods, drafter_path=args.drafter_path,
         draft_model=args.draft_model, draft_tokens=args.draft_tokens, gguf=args.gguf,
         batch_sizes=args.batch_sizes, temperature=args.temperature, seed=args.seed,
-        max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, repeats=args.repeats, dtype=args.dtype, device=args.device,
+        max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, repeats=args.repeats, dtype=args.dtype,
+        device=args.device,
         threads=args.threads, weights=args.weights, prefill_dtype=args.prefill_dtype, compile=args.compile, out=args.out, progress=not args.no_progress, plots=not args.no_plots,
     )
     _print_outputs("wrote", args.out, run_bench(cfg))

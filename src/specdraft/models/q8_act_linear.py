@@ -70,8 +70,8 @@ def q8_act_mm(rows: torch.Tensor, codes: torch.Tensor, layout: int, base: int, c
     lib.q8_act_quantize(rows.data_ptr(), m, k, group, q.data_ptr(), a.data_ptr(), b.data_ptr(), sums.data_ptr(),
                         threads)
     lib.q8_act_gemv(q.data_ptr(), a.data_ptr(), b.data_ptr(), sums.data_ptr(), codes.data_ptr(), layout, base,
-                    code_max, scales.data_ptr(), None if offsets is None else offsets.data_ptr(), out.data_ptr(), m, n, k,
-                    group, threads)
+                    code_max, scales.data_ptr(), None if offsets is None else offsets.data_ptr(), out.data_ptr(), m,
+                    n, k, group, threads)
     return out
 
 

@@ -242,7 +242,8 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, cons
                     const int64_t st = st0 + 2 * c, k = g * G + 4 * st;                             \
                     __m256i w0, w1;                                                                 \
                     if (LAYOUT == Q8_NIBBLES) {                                                     \
-                        const __m256i byte = _mm256_loadu_si256((const __m256i *)(codes + (g * steps + st) * 32 + 32 * h)); \
+                        const __m256i *at = (const __m256i *)(codes + (g * steps + st) * 32 + 32 * h); \
+                        const __m256i byte = _mm256_loadu_si256(at);                                \
                         w0 = _mm256_and_si256(byte, low);                                           \
                         w1 = _mm256_and_si256(_mm256_srli_epi16(byte, 4), low);                     \
                     } else {                                                                        \
@@ -260,8 +261,10 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, cons
                         if (CHAIN == 0)                                                             \
                             sum[r] = _mm256_add_epi32(sum[r], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), \
                                                                                _mm256_madd_epi16(p1, ones))); \
-                        else                                                                        \
-                            part[r] = c ? _mm256_add_epi16(part[r], _mm256_add_epi16(p0, p1)) : _mm256_add_epi16(p0, p1); \
+                        else {                                                                      \
+                            const __m256i p = _mm256_add_epi16(p0, p1);                             \
+                            part[r] = c ? _mm256_add_epi16(part[r], p) : p;                         \
+                        }                                                                           \
                     }                                                                               \
                 }                                                                                   \
                 if (CHAIN)                                                                          \
@@ -327,7 +330,7 @@ void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t 
     const int nibbles = layout == Q8_NIBBLES;
     const int64_t blocks = N / OUT_BLOCK, block_bytes = nibbles ? K * OUT_BLOCK / 2 : K * OUT_BLOCK;
     const int64_t block_scales = (K / G) * OUT_BLOCK;
-    const int chain = layout == Q8_SIGNED ? 0 : widen_chain(layout == Q8_NIBBLES ? 15 : code_max, G);
+    const int chain = widen_chain(code_max, G); /* 0 for signed bytes (|c| up to 128): they never chain */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t nb = 0; nb < blocks; nb++) {
         const uint8_t *c = codes + nb * block_bytes;

@@ -20,8 +20,9 @@ from specdraft.drafters.mtp_lookup import MTPWithLookup
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
+from specdraft.speculative.request import Request
 from specdraft.speculative.verify import HEAD_BLOCK, SAMPLED_HEAD_BLOCK
-from specdraft.speculative.policy import (LEARNING_RATE, RELAX, SAMPLED_LEARNING_RATE, SAMPLED_RELAX,
+from specdraft.speculative.policy import (LEARNING_RATE, POOL_RATE, RELAX, SAMPLED_LEARNING_RATE, SAMPLED_RELAX,
                                           STEADY_LEARNING_RATE, STEADY_RELAX, STEADY_SOURCES, AdaptivePolicy,
                                           FixedPolicy, MeasuredCosts, by_confidence, cost_key, first_rows, head_sizes,
                                           monotone, profiled_widths, row_buckets)
@@ -440,9 +441,9 @@ def test_sampling_rounds_learn_from_acceptance_chances():
     assert a[0] == pytest.approx(0.5 + SAMPLED_LEARNING_RATE * (0.9 - 0.5))
     assert a[1] == pytest.approx(0.5 + SAMPLED_LEARNING_RATE * (0.4 - 0.5))
     assert a[2:] == [0.5, 0.5]
-    before = a[0]
-    p.observe(row, None, 0, 0)  # a plain round: a sampling row relaxes at its own (faster) rate
-    assert a[0] == pytest.approx(before + SAMPLED_RELAX * (0.5 - before))
+    before, pooled = a[0], 0.5 + POOL_RATE * (0.9 - 0.5)  # what the engine's sampled rows have shown
+    p.observe(row, None, 0, 0)  # a plain round: a sampling row relaxes at its own rate, to the pool
+    assert a[0] == pytest.approx(before + SAMPLED_RELAX * (pooled - before))
     fresh = policy_for(FakeCosts(lambda n, w: 1.0), k=4, prior={"mtp": 0.5, "lookup": 0.5})  # (p pooled the row above)
     greedy = fresh.new_row("mtp")
     fresh.observe(greedy, "lookup", 3, 1)  # no chances: the outcomes themselves
@@ -472,6 +473,42 @@ def test_a_drafters_rate_survives_one_rejection():
     row = p.new_row("mtp")
     p.observe(row, "lookup", 1, 0)
     assert row.rates["lookup"][0] == pytest.approx(0.65 * (1 - LEARNING_RATE))
+
+
+def test_sampled_drafter_rows_drift_to_what_sampled_rows_showed():
+    """A drafter's sampled acceptance is a steady rate far below the greedy prior: once the
+    engine's sampled rows have shown it, a sampled row's plain rounds drift to it instead of the
+    prior (no probing every few rounds at a loss), new sampled rows start from it, and greedy rows
+    keep their own pool. Lookups come in bursts: a sampled row still drifts back to their prior."""
+    costs = FakeCosts(lambda n, w: 1.0 + 0.45 * (w - 1))  # one draft breaks even at ~0.45
+    p = policy_for(costs, k=1, prior={"mtp": 0.6, "lookup": 0.6})
+    for _ in range(200):  # earlier sampled requests: chances of 0.25
+        p.observe(p.new_row("mtp", sampled=True), "mtp", 1, 0, [0.25])
+    greedy, sampled = p.new_row("mtp"), p.new_row("mtp", sampled=True)
+    assert p.choose([greedy]) == 1  # the greedy pool is the prior still
+    assert p.choose([sampled]) == 0
+    assert sampled.rates["mtp"][0] == pytest.approx(0.25, abs=0.01)
+    row = p.new_row("mtp", sampled=True)
+    row.rates["mtp"] = [0.5]  # a row that drafted for a while, then fell below break-even
+    p.observe(row, "mtp", 1, 0, [0.3])
+    for _ in range(300):
+        assert p.choose([row]) == 0, "a sampled row re-probed towards the greedy prior"
+        p.observe(row, None, 0, 0)
+    assert row.rates["mtp"][0] == pytest.approx(0.25, abs=0.01)
+    looking = p.new_row("mtp", lookups=True, sampled=True)
+    p.observe(looking, "lookup", 1, 0, [0.1])
+    for _ in range(300):
+        p.observe(looking, None, 0, 0)
+    assert looking.rates["lookup"][0] == pytest.approx(0.6, abs=0.01)
+
+
+def test_engine_tells_the_policy_which_requests_sample(llama_tiny):
+    engine = Engine(llama_tiny.ours, drafter=NgramDrafter(), draft_tokens=3,
+                    policy=AdaptivePolicy(FakeCosts(lambda n, w: 1.0)))
+    prompt = prompts_of([7], llama_tiny.cfg.vocab_size, seed=3)[0]
+    for temperature in (0.0, 1.0):
+        engine.add(Request(prompt, 4, SamplingParams(temperature, seed=0)))
+        assert engine.waiting[-1].acceptance.sampled == (temperature > 0)
 
 
 class RecordingPolicy(FixedPolicy):

@@ -106,7 +106,8 @@ class Engine:
                   (self.tokenizer.eos_token_ids if self.tokenizer else []))
         stops = StopChecker(self._decode, req.stop) if req.stop and self.tokenizer is not None else None
         self.waiting.append(_Row(req, group, eos, stops, self.width, self.timer.totals,
-                                 self.policy.new_row(self._source(False), self._mixes_lookups(), req.prompt)))
+                                 self.policy.new_row(self._source(False), self._mixes_lookups(), req.prompt,
+                                                     not group.params.greedy)))
 
     @torch.inference_mode()
     def abort(self, request_id: int) -> GenerationResult | None:

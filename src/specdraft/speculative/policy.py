@@ -19,7 +19,8 @@ tokens per second, from
 A row that stops drafting keeps no evidence, so its estimates drift back to the prior during
 plain rounds: a row whose text turns predictable again gets probed now and then, at the cost of
 one wide round every few dozen plain ones (lookups) or every few (a drafter's steady rate, which
-is also learnt more slowly: one rejection is a single coin flip of it). The choice reads only past tokens and counts, so
+is also learnt more slowly: one rejection is a single coin flip of it). A drafter's sampled rows
+drift instead to what the engine's sampled rows have shown (see _relax_target). The choice reads only past tokens and counts, so
 greedy output and sampling stay exact.
 """
 
@@ -95,9 +96,11 @@ class DraftPolicy:
     def prepare(self, model: torch.nn.Module, drafter: Drafter | None, rows: int, k: int, width: int) -> None:
         """Called before a batch of up to `rows` rows starts (before the drafter's own prepare)."""
 
-    def new_row(self, source: str, lookups: bool = False, prompt: list[int] = ()) -> "RowAcceptance | None":
+    def new_row(self, source: str, lookups: bool = False, prompt: list[int] = (), sampled: bool = False
+                ) -> "RowAcceptance | None":
         """Per-request state, kept by the engine with the request. `source`: where the drafter's
-        own drafts come from ("mtp", "lookup", "draft"); `lookups`: it also proposes prompt lookups."""
+        own drafts come from ("mtp", "lookup", "draft"); `lookups`: it also proposes prompt lookups;
+        `sampled`: the request samples (temperature > 0)."""
         return None
 
     def extend(self, state, tokens: list[int]) -> None:
@@ -132,14 +135,14 @@ class RowAcceptance:
     drafts will be a prompt lookup: the lookup drafter proposes where the sequence's last 2 tokens
     occurred before, which the host can tell from the tokens it already holds (no device sync)."""
 
-    def __init__(self, source: str, lookups: bool, prompt: list[int] = ()):
+    def __init__(self, source: str, lookups: bool, prompt: list[int] = (), sampled: bool = False):
         self.source, self.lookups = source, lookups  # lookups: the drafter mixes them in (mtp+ngram)
         self.rates: dict[str, list[float]] = {}
         # Per source, position j: the chance the drafter proposes draft j + 2 once it proposed draft
         # j + 1 and the round asked for more (the MTP drafter stops after an unsure draft; a lookup
         # ends where its match ends). A round that stops sooner drafts and verifies fewer tokens.
         self.continues: dict[str, list[float]] = {}
-        self.sampled = False  # its rounds report acceptance chances (temperature > 0)
+        self.sampled = sampled  # its rounds report acceptance chances (temperature > 0)
         self._seen: set[tuple[int, int]] = set()  # every bigram but the last
         self._last: tuple[int, ...] = ()
         if lookups:
@@ -168,9 +171,11 @@ class AdaptivePolicy(DraftPolicy):
         self.costs, self.prior, self.margin, self.batch_margin = costs, dict(prior or PRIOR), margin, batch_margin
         self.steady_sources = steady_sources  # sources learnt slowly and re-probed soon (see STEADY_*)
         self.k = self.width = 0
-        # Per source, every request's outcomes pooled: a new request starts from what the engine
-        # has seen (a server or a benchmark keeps one engine for many requests), else from the prior.
-        self.pooled: dict[str, list[float]] = {}
+        # Per source and kind of request (greedy, sampled: a drafter's sampled drafts are accepted
+        # far less often), every request's outcomes pooled: a new request starts from what the
+        # engine has seen (a server or a benchmark keeps one engine for many requests), else from
+        # the prior.
+        self.pooled: dict[tuple[str, bool], list[float]] = {}
         self.pooled_continues: dict[str, list[float]] = {}  # the same for continuation (prior: always)
 
     def prepare(self, model: torch.nn.Module, drafter: Drafter | None, rows: int, k: int, width: int) -> None:
@@ -182,8 +187,9 @@ class AdaptivePolicy(DraftPolicy):
         """Most drafts a row of this source carries: lookups may go past the MTP drafter's K."""
         return self.width if source == "lookup" else self.k
 
-    def new_row(self, source: str, lookups: bool = False, prompt: list[int] = ()) -> RowAcceptance:
-        return RowAcceptance(source, lookups, prompt)
+    def new_row(self, source: str, lookups: bool = False, prompt: list[int] = (), sampled: bool = False
+                ) -> RowAcceptance:
+        return RowAcceptance(source, lookups, prompt, sampled)
 
     def extend(self, state: RowAcceptance | None, tokens: list[int]) -> None:
         if state is not None and state.lookups:
@@ -195,15 +201,30 @@ class AdaptivePolicy(DraftPolicy):
         values = list(prior) if isinstance(prior, (tuple, list)) else [prior]
         return [values[min(j, len(values) - 1)] for j in range(size)]
 
-    def _start(self, source: str) -> list[float]:
-        if source not in self.pooled or len(self.pooled[source]) != self.cap(source):
-            self.pooled[source] = self._priors(source, self.cap(source))
-        return self.pooled[source]
+    def _start(self, source: str, sampled: bool) -> list[float]:
+        key = (source, sampled)
+        if key not in self.pooled or len(self.pooled[key]) != self.cap(source):
+            self.pooled[key] = self._priors(source, self.cap(source))
+        return self.pooled[key]
 
     def _rates(self, state: RowAcceptance, source: str) -> list[float]:
         if source not in state.rates:
-            state.rates[source] = list(self._start(source))
+            state.rates[source] = list(self._start(source, state.sampled))
         return state.rates[source]
+
+    def _relax_target(self, state: RowAcceptance, source: str) -> list[float]:
+        """Where a row's estimates of `source` drift during its plain rounds: the prior, except for
+        a drafter's (MTP, draft model) sampled rows, which drift to what the engine's sampled rows
+        of that source have shown. A drafter's sampled acceptance is a steady rate of the drafter
+        and target (fixed `mtp` at temperature 1 read 0.86-1.02x plain in every Spec-Bench category
+        on a 2-core CPU), its chances measure it with little noise, and it sits far below the
+        greedy prior: drifting to 0.6 every few plain rounds, rows whose chances averaged ~0.3
+        drafted every third round and decoded 5-11% slower than plain (BENCHMARKS.md). A lookup's
+        acceptance comes in bursts (a copied stretch), so its rows keep re-probing from the prior."""
+        size = len(state.rates[source])
+        if state.sampled and source in self.steady_sources:
+            return self._start(source, True)[:size]
+        return self._priors(source, size)
 
     def _start_continues(self, source: str) -> list[float]:
         size = max(0, self.cap(source) - 1)
@@ -275,7 +296,7 @@ class AdaptivePolicy(DraftPolicy):
             # A plain round, no evidence: drift back towards the priors so the row gets re-tried.
             for src, rates in state.rates.items():
                 relax = self._learning(state, src)[1]
-                rates[:] = [r + relax * (p - r) for r, p in zip(rates, self._priors(src, len(rates)))]
+                rates[:] = [r + relax * (p - r) for r, p in zip(rates, self._relax_target(state, src))]
             for src, cont in state.continues.items():
                 relax = self._learning(state, src)[1]
                 cont[:] = [c + relax * (1.0 - c) for c in cont]
@@ -288,7 +309,7 @@ class AdaptivePolicy(DraftPolicy):
                 pooled[i] += POOL_RATE * (hit - pooled[i])
         state.sampled |= chances is not None
         rate = self._learning(state, source)[0]
-        rates, pooled = self._rates(state, source), self._start(source)
+        rates, pooled = self._rates(state, source), self._start(source, state.sampled)
         # Draft j was judged only if drafts 1..j-1 were accepted: positions 1..accepted passed,
         # position accepted+1 failed (a lookup without a match counts as a failed first draft);
         # later ones say nothing. When sampling, a judged draft counts with the chance it had

@@ -213,9 +213,10 @@ TILE(8, ntile, 1)
  * float32 epilogue are the VNNI loop's, bit for bit. The 16-bit pair sums are exact while
  * 2 x u x 127 <= 32767, i.e. for codes spanning at most 129 values (Q6_K, Q5_0, Q4_K, Q4_0).
  * Wider codes (Q8_0, int8_blocks) come signed (layout Q8_SIGNED, base 0): |c| as unsigned bytes
- * times the activations with c's sign, 2 x 128 x 127 at most. A tile does the 16-output block's
- * two halves of 8 one after the other: 4 rows of int32 and float32 accumulators then fit the 16
- * registers.
+ * times the activations with c's sign, 2 x 128 x 127 at most. A tile does each group of the
+ * 16-output block as two halves of 8 in turn: one half's 4 rows of int32 sums then fit the 16
+ * registers, beside the 2 x 4 float32 accumulators the compiler keeps on the stack (touched once
+ * a group).
  *
  * Narrow codes need fewer widenings: with codes u <= code_max a pair sum is at most
  * 2 x 127 x code_max, so several add exactly in 16 bits (vpaddw) before one vpmaddwd widens
@@ -225,15 +226,17 @@ TILE(8, ntile, 1)
  * vector pipe, and a widening per product pair is half of a wide call's time there. */
 static inline __m256i bcast4(const int8_t *q) { return _mm256_set1_epi32(*(const int32_t *)q); }
 
-/* Prefetch: a tile reads its block's 64-byte lines in two passes, 32 bytes of each for outputs
- * 0-7 (h = 0), then the other 32 from cache for outputs 8-15, so nothing streamed from memory
- * while the second pass multiplied: at one row the head took its table's read time plus its
- * multiplies (12.2 ms against 8.0 for a sum over its 168 MB on 2 Zen 1 cores). Each step now
- * also fetches the lines the next block's same step will read: from the first pass on for 1-2
- * rows (little arithmetic a line), from the second for more (the first pass's demand loads keep
- * memory busy then). Zen 1, alternated in one process: the head 1.19x at 1 row, 1.17x at 2,
- * the layers' matrices 1.05-1.11x at 1-8 rows (BENCHMARKS.md). The next block's lines are the
- * same step's, 16 K (bytes) or 8 K (nibbles) further on; past the last block a prefetch of
+/* Memory order: a tile reads a group's 64-byte lines twice, 32 bytes of each for outputs 0-7
+ * (h = 0), then the other 32 for outputs 8-15, the second read from L1 right after the first.
+ * (Halves outermost, the second pass re-read the whole block from L2 and nothing streamed from
+ * memory meanwhile: at one row the head took its table's read time plus its multiplies, 12.2 ms
+ * against 8.0 for a sum over its 168 MB on 2 Zen 1 cores.) Each step also fetches the lines the
+ * next block's same step will read: from the first half on for 1-2 rows (little arithmetic a
+ * line), from the second for more (the first half's demand loads keep memory busy then). Each
+ * change alone, alternated in one process (BENCHMARKS.md): the prefetch 1.19x on the head at 1
+ * row on Zen 1 and 1.05-1.16x on Zen 3's head and layers at 1-4 rows; groups outermost a further
+ * 1.06-1.18x on Zen 3's head and 1.05-1.20x on its layers at 1-64 rows. The next block's lines are
+ * the same step's, 16 K (bytes) or 8 K (nibbles) further on; past the last block a prefetch of
  * unmapped memory is dropped, never faults. */
 #define PREFETCH_NEXT(LAYOUT, codes, K, g, steps, st)                                                 \
     do {                                                                                            \
@@ -251,10 +254,10 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, cons
                         float *y, int64_t m0, int64_t K, int64_t G, int64_t N, int64_t n0) {        \
     const int64_t groups = K / G, steps = G / 4, run = CHAIN ? CHAIN : 1;                           \
     const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);                         \
-    for (int h = 0; h < 2; h++) {                                                                   \
-        __m256 acc[MB];                                                                             \
-        for (int r = 0; r < MB; r++) acc[r] = _mm256_setzero_ps();                                 \
-        for (int64_t g = 0; g < groups; g++) {                                                      \
+    __m256 acc[2][MB]; /* [half][row] */                                                           \
+    for (int h = 0; h < 2; h++) for (int r = 0; r < MB; r++) acc[h][r] = _mm256_setzero_ps();     \
+    for (int64_t g = 0; g < groups; g++) {                                                          \
+        for (int h = 0; h < 2; h++) {                                                               \
             __m256i sum[MB], part[MB];                                                              \
             for (int r = 0; r < MB; r++) sum[r] = _mm256_setzero_si256();                           \
             for (int64_t st0 = 0; st0 < steps; st0 += 2 * run) {                                    \
@@ -297,12 +300,13 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, cons
                 const int64_t ag = (m0 + r) * groups + g;                                           \
                 __m256i ig = sum[r];                                                                \
                 if (base) ig = _mm256_add_epi32(ig, _mm256_set1_epi32(base * sums[ag])); /* sum c q */ \
-                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ig), sg), _mm256_set1_ps(a[ag]), acc[r]); \
-                if (o) acc[r] = _mm256_fnmadd_ps(_mm256_loadu_ps(o + g * OUT_BLOCK + 8 * h), _mm256_set1_ps(b[ag]), acc[r]); \
+                acc[h][r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ig), sg), _mm256_set1_ps(a[ag]), acc[h][r]); \
+                if (o) acc[h][r] = _mm256_fnmadd_ps(_mm256_loadu_ps(o + g * OUT_BLOCK + 8 * h), _mm256_set1_ps(b[ag]), acc[h][r]); \
             }                                                                                       \
         }                                                                                           \
-        for (int r = 0; r < MB; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0 + 8 * h, acc[r]);     \
     }                                                                                               \
+    for (int h = 0; h < 2; h++)                                                                     \
+        for (int r = 0; r < MB; r++) _mm256_storeu_ps(y + (m0 + r) * N + n0 + 8 * h, acc[h][r]);  \
 }
 
 /* NAME_1 .. NAME_4, for the rows a pass takes (BY_ROWS). */

@@ -24,8 +24,8 @@ from specdraft.speculative.request import Request
 from specdraft.speculative.verify import HEAD_BLOCK, SAMPLED_HEAD_BLOCK
 from specdraft.speculative.policy import (LEARNING_RATE, POOL_RATE, RELAX, SAMPLED_LEARNING_RATE, SAMPLED_RELAX,
                                           STEADY_LEARNING_RATE, STEADY_RELAX, STEADY_SOURCES, AdaptivePolicy,
-                                          FixedPolicy, MeasuredCosts, by_confidence, cost_key, first_rows, head_sizes,
-                                          monotone, profiled_widths, row_buckets)
+                                          FixedPolicy, MeasuredCosts, by_confidence, cost_key, cpu_identity, first_rows,
+                                          head_sizes, monotone, profiled_widths, row_buckets)
 
 
 class FakeCosts:
@@ -266,6 +266,16 @@ def test_cost_cache_round_trip(gemma_tiny, tmp_path):
     assert MeasuredCosts({**key, "code": "an older forward"}, tmp_path).target == {}  # code changes re-profile too
     other.ensure(model, drafter, 1, 2, 2)
     assert other.profiled > 0 and other.path != first.path
+
+
+def test_cost_tables_do_not_move_between_cpus_sharing_a_name():
+    """Clouds name a Zen 1 and a Zen 3 EPYC alike; their cost tables must differ (family/model)."""
+    def info(family, model):
+        return (f"processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+                f"model name\t: AMD EPYC\n\nprocessor\t: 1\ncpu family\t: 99\nmodel name\t: other\n")
+    zen1, zen3 = cpu_identity(info(23, 1)), cpu_identity(info(25, 1))
+    assert zen1 == "AMD EPYC (family 23 model 1)" and zen3 == "AMD EPYC (family 25 model 1)"
+    assert cpu_identity("processor\t: 0\nFeatures\t: neon\n") is None  # no model name: the caller falls back
 
 
 def test_head_is_timed_on_the_rows_the_model_is_surest_about(gemma_tiny):

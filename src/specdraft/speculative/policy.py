@@ -334,14 +334,27 @@ class AdaptivePolicy(DraftPolicy):
 
 # --- the measured cost model --------------------------------------------------------------------
 
+def cpu_identity(cpuinfo: str) -> str | None:
+    """The first processor's model name with its family and model numbers, from /proc/cpuinfo's
+    text: clouds often report only "AMD EPYC", and a Zen 1 and a Zen 3 behind that name step at
+    very different speeds, so a cost table must not move between them."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break  # the first processor's block is enough
+        name, _, value = line.partition(":")
+        fields.setdefault(name.strip(), value.strip())
+    if "model name" not in fields:
+        return None
+    return f"{fields['model name']} (family {fields.get('cpu family', '?')} model {fields.get('model', '?')})"
+
+
 def _cpu_name() -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        found = cpu_identity(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        found = None
+    return found or platform.processor() or platform.machine()
 
 
 def cost_key(model_name: str, folder: str, weights: str, dtype: str, device: torch.device) -> dict:

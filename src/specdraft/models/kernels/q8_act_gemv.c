@@ -234,7 +234,7 @@ static inline __m256i bcast4(const int8_t *q) { return _mm256_set1_epi32(*(const
  * next block's same step will read: from the first half on for 1-2 rows (little arithmetic a
  * line), from the second for more (the first half's demand loads keep memory busy then). Each
  * change alone, alternated in one process (BENCHMARKS.md): the prefetch 1.19x on the head at 1
- * row on Zen 1 and 1.05-1.16x on Zen 3's head and layers at 1-4 rows; groups outermost a further
+ * row on Zen 1 and 1.02-1.16x on Zen 3's head and layers at 1-8 rows; groups outermost a further
  * 1.06-1.18x on Zen 3's head and 1.05-1.20x on its layers at 1-64 rows. The next block's lines are
  * the same step's, 16 K (bytes) or 8 K (nibbles) further on; past the last block a prefetch of
  * unmapped memory is dropped, never faults. */

@@ -37,6 +37,7 @@ from specdraft.models.kernels.sample_rows import draw_tokens
 from specdraft.sampling import SamplingParams, sample
 from specdraft.speculative import engine as engine_module
 from specdraft.speculative.engine import Engine
+from specdraft.speculative.request import Request
 from specdraft.speculative.policy import MARGIN, AdaptivePolicy, DraftPolicy
 
 V = 16
@@ -592,6 +593,80 @@ def test_sampling_stays_exact_with_adaptive_widths(case: str, target, drafters) 
     assert sum(w > 0 for w in policy.chosen) > 0.5 * len(policy.chosen)  # mostly drafting rounds
     assert acceptance is not None and 0.05 < acceptance < 0.9, acceptance
     assert p_value > ALPHA, f"{case}: chi2 {stat:.1f} on {df} df, p = {p_value:.2e}, TV {tv:.4f}"
+
+
+def served_counts(target: TinyModel, drafter, k: int, n: int, seed: int, sampling: SamplingParams = T1):
+    """Counts over V^3 of the first three tokens of n requests served step by step, as the server
+    runs them: each request its own sampling group and seed, so each row draws its drafts from
+    its own random stream (Engine._draft_sampling). Also the acceptance and how many rounds
+    carried drafts sampled from Q."""
+    counts = torch.zeros(V**3, dtype=torch.long)
+    engine = Engine(target.ours, None, drafter, k, max_batch_size=SERVED_BATCH, capacity=32)
+    for i in range(n):
+        engine.add(Request(PROMPT, 3, replace(sampling, seed=seed + i), eos_token_ids=[]))
+    results, sampled_rounds = [], [0]
+    propose = drafter.propose
+
+    def counting(inp, kk, params, generator):
+        sampled_rounds[0] += isinstance(generator, list) and not params.greedy
+        return propose(inp, kk, params, generator)
+
+    drafter.propose = counting
+    try:
+        while engine.has_work():
+            results += engine.step()
+    finally:
+        del drafter.propose
+    ids = torch.tensor([r.token_ids for r in results])
+    counts += torch.bincount(ids[:, 0] * V * V + ids[:, 1] * V + ids[:, 2], minlength=V**3)
+    drafted = sum(r.stats.drafted for r in results)
+    accepted = sum(sum(r.stats.accepted_by_position) for r in results)
+    return counts, accepted / drafted, sampled_rounds[0]
+
+
+SERVED_BATCH = 256  # rows a round: each its own request and random stream
+
+
+SERVED_N = 20_000  # requests; each its own group, so a round verifies 256 groups one by one
+SERVED_DELTA = 0.04
+
+
+def test_served_requests_sample_drafts_from_their_own_streams_and_stay_exact(target, drafters) -> None:
+    """A server's sampled requests (one group each) draw their drafts from the drafter's Q, row by
+    row from each request's own stream (not argmax drafts as point masses), and the first three
+    tokens still follow the target's law: MTP rows stopping early (ragged drafts) next to lookup
+    rows (point masses), K = 3."""
+    probs = exact_joint(target)
+    counts, acceptance, sampled_rounds = served_counts(target, drafters["mtp-early-stop+ngram"], 3, SERVED_N, seed=200)
+    stat, df, p_value, pooled, tv = chi_square(counts, probs)
+    power = detection_power(SERVED_N, df, SERVED_DELTA)
+    print(f"served: chi2 {stat:.1f} / {df} df, p {p_value:.3f}, TV {tv:.4f}, acceptance {acceptance}, "
+          f"sampled rounds {sampled_rounds}, power vs TV {SERVED_DELTA}: {power:.4f}")
+    assert sampled_rounds > 0.9 * (SERVED_N / SERVED_BATCH)  # every batch's rounds drew from Q
+    assert pooled < 0.02 and power >= 0.98  # fewer samples than above: a little more mass pooled
+    assert 0.05 < acceptance < 0.9, acceptance
+    assert p_value > ALPHA, f"served: chi2 {stat:.1f} on {df} df, p = {p_value:.2e}, TV {tv:.4f}"
+
+
+def test_served_request_draws_do_not_depend_on_company(target, drafters) -> None:
+    """With a fixed width, a seeded request's tokens are the same alone and among other requests:
+    its drafts and verdicts draw only from its own stream, and only while it drafts."""
+    early = drafters["mtp-early-stop"]
+
+    def run(prompts_and_seeds):
+        engine = Engine(target.ours, None, early, 3, max_batch_size=8, capacity=32)
+        reqs = [Request(p, 12, SamplingParams(1.0, seed=s), eos_token_ids=[]) for p, s in prompts_and_seeds]
+        for r in reqs:
+            engine.add(r)
+        done = {}
+        while engine.has_work():
+            done.update((r.request_id, r.token_ids) for r in engine.step())
+        return [done[r.id] for r in reqs]
+
+    alone = run([(PROMPT, 7)])[0]
+    crowd = run([(PROMPT, 7), ([3, 4, 5], 1), ([9, 9, 2, 1], 2), (PROMPT[:3], 3)])
+    assert crowd[0] == alone
+    assert run([(PROMPT, 8)])[0] != alone  # the seed matters
 
 
 class _AcceptWithP(SparseProbs):

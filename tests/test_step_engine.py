@@ -6,6 +6,8 @@ for token, with every drafter kind; seeded sampling gives the same tokens alone 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -155,6 +157,10 @@ def test_abort_frees_the_row_and_others_continue(gemma_tiny, prompts) -> None:
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_company(gemma_tiny, prompts, make_drafter) -> None:
+    """At a fixed width, a seeded request's tokens do not depend on other requests sampling with
+    the same settings (each row's drafts and verdicts draw from its own stream, and only while it
+    drafts). Among greedy or differently filtered requests its drafts fall back to argmax ones
+    (one Q cannot serve them all): the same law (tests/test_sampling_exact.py), other tokens."""
     params = SamplingParams(temperature=1.0, top_p=0.95, seed=1234)
     drafter = make_drafter("mtp+ngram")
 
@@ -165,8 +171,8 @@ def test_seeded_sampling_is_the_same_alone_and_in_company(gemma_tiny, prompts, m
     a = alone(params)
     assert a.seed == 1234
     engine = Engine(gemma_tiny.ours, None, drafter, 3, max_batch_size=6)
-    others = [Request(p, 25, SamplingParams(temperature=0.7, seed=i), eos_token_ids=[]) for i, p in enumerate(prompts[:3])]
-    others += [Request(p, 25, eos_token_ids=[]) for p in prompts[6:8]]
+    others = [Request(p, 25, replace(params, seed=i), eos_token_ids=[]) for i, p in enumerate(prompts[:3])]
+    others += [Request(p, 25, replace(params, seed=10 + i), eos_token_ids=[]) for i, p in enumerate(prompts[6:8])]
     mine = Request(prompts[5], 25, params, eos_token_ids=[])
     done = run_concurrently(engine, others + [mine], joins={len(others): 2})
     assert done[mine.id].token_ids == a.token_ids

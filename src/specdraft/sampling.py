@@ -53,7 +53,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def sample(probs: torch.Tensor, generator: torch.Generator | RowStreams | None) -> torch.Tensor:
     """Draw one token per row from probs [..., V] (non-negative weights, normalised or not).
 
     By the inverse CDF: u uniform in [0, 1) times the row's total, the first token whose
@@ -66,9 +66,21 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return inverse_cdf(flat, row_uniforms(flat, generator)).reshape(probs.shape[:-1])
 
 
-def row_uniforms(flat: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """[M, 1] float64 uniforms in [0, 1): one draw per row of flat [M, V]."""
-    return torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=flat.device)
+# One random stream per row (a server's requests each keep their own seed's stream); None for a
+# row that draws nothing this time (its token is not used).
+RowStreams = list
+
+
+def row_uniforms(flat: torch.Tensor, generator: torch.Generator | RowStreams | None) -> torch.Tensor:
+    """[M, 1] float64 uniforms in [0, 1): one draw per row of flat [M, V], from `generator`, or
+    row i's from generator[i] (RowStreams; a None entry draws nothing and reads 0)."""
+    if not isinstance(generator, list):
+        return torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=flat.device)
+    if len(generator) != flat.shape[0]:
+        raise ValueError(f"{len(generator)} random streams for {flat.shape[0]} rows")
+    zero = torch.zeros(1, dtype=torch.float64, device=flat.device)
+    return torch.stack([zero if g is None else torch.rand(1, dtype=torch.float64, generator=g, device=flat.device)
+                        for g in generator])
 
 
 def inverse_cdf(flat: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

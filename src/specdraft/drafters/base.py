@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from specdraft.kv_cache import KVCache
-from specdraft.sampling import SamplingParams
+from specdraft.sampling import RowStreams, SamplingParams
 
 
 @dataclass
@@ -104,7 +104,11 @@ class Drafter:
         """The request in row `src` moves to row `dst` (compaction); `src` becomes free.
         Drafters keeping per-row state (a cache, an index) move it along."""
 
-    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams,
+                generator: torch.Generator | RowStreams | None) -> Draft:
+        """Up to k drafts per row. Sampled drafts (sampling not greedy) are drawn from `generator`:
+        one stream for the batch (generate()), or RowStreams, row i drawing from its own (a
+        server's requests), and Q is returned in Draft.probs."""
         raise NotImplementedError
 
     def max_drafts(self, k: int) -> int:

@@ -14,7 +14,7 @@ import torch
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.errors import SpecdraftError
 from specdraft.models.kernels.sample_rows import draw_tokens
-from specdraft.sampling import SamplingParams, probabilities
+from specdraft.sampling import RowStreams, SamplingParams, probabilities
 
 
 class DraftModelDrafter(Drafter):
@@ -46,7 +46,8 @@ class DraftModelDrafter(Drafter):
         return weights + (self.cache.nbytes() if self.cache is not None else 0)
 
     @torch.inference_mode()
-    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams,
+                generator: torch.Generator | RowStreams | None) -> Draft:
         cache, dev = self.cache.rows(0, inp.tokens.shape[0]), inp.tokens.device  # the round's rows
         seq_len = inp.position + 2  # tokens known per row, b included
         cache.rollback(seq_len - 1)  # never beyond what the target accepted

@@ -21,7 +21,7 @@ from specdraft.drafters.base import Draft, Drafter, DraftInput, SparseProbs
 from specdraft.drafters.lookup_index import LookupIndex
 from specdraft.drafters.mtp.drafter import MTPDrafter
 from specdraft.drafters.ngram import prompt_lookup
-from specdraft.sampling import SamplingParams
+from specdraft.sampling import RowStreams, SamplingParams
 
 LOOKUP_TOKENS = 8
 MIN_MATCH = 2
@@ -57,7 +57,8 @@ class MTPWithLookup(Drafter):
         self.mtp.move_row(src, dst)
         self.index.move_row(src, dst)
 
-    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams,
+                generator: torch.Generator | RowStreams | None) -> Draft:
         found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, self.lookup_tokens, self.index,
                               repeat=True)
         looked_up = found.num_valid > 0

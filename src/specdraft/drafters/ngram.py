@@ -13,7 +13,7 @@ import torch
 
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.drafters.lookup_index import LookupIndex
-from specdraft.sampling import SamplingParams
+from specdraft.sampling import RowStreams, SamplingParams
 
 
 @dataclass
@@ -58,7 +58,8 @@ class NgramDrafter(Drafter):
     def move_row(self, src: int, dst: int) -> None:
         self.index.move_row(src, dst)
 
-    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams,
+                generator: torch.Generator | RowStreams | None) -> Draft:
         found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, k, self.index)
         longest = int(found.num_valid.max())
         # Rounds where nobody has a match verify only [b]: plain decoding cost, no filler drafts.

@@ -23,11 +23,10 @@ _ids = itertools.count()
 class SamplingGroup:
     """Rows that sample with one set of parameters from one random stream.
 
-    `generate()` puts its whole batch in one group (one seed for the batch, drafts sampled from
-    the drafter's own distribution). A server request is a group of its own, so its random
-    draws, and hence its tokens for a given seed, do not depend on what else is in the batch; its
-    drafts are then argmax choices (a point-mass Q, as vLLM does for EAGLE/MTP drafters), since a
-    drafter draws one random stream for the whole batch."""
+    `generate()` puts its whole batch in one group (one seed for the batch). A server request is
+    a group of its own, with its own random stream: its drafts, when sampled, draw from it row by
+    row (Engine._draft_sampling), and its verification draws from it alone. `sample_drafts`:
+    whether a round of this group's rows alone draws its drafts from the one stream."""
 
     params: SamplingParams
     seed: int | None

@@ -19,7 +19,7 @@ from specdraft.models.kernels.build import applies as kernels_apply
 from specdraft.models.kernels.score_rows import draft_head
 from specdraft.models.target import AttentionLayout
 from specdraft.models.kernels.sample_rows import draw_tokens
-from specdraft.sampling import SamplingParams, probabilities
+from specdraft.sampling import RowStreams, SamplingParams, probabilities
 
 GREEDY_CONFIDENCE = SamplingParams(temperature=1.0)  # greedy drafts' confidence: the drafter's softmax
 # Up to this many rows the copy gate places its copies among the candidates on the host (a few
@@ -182,7 +182,7 @@ class MTPDrafter(Drafter):
 
     def _pick(self, inp: DraftInput, drafts: list[torch.Tensor], current: torch.Tensor, z: torch.Tensor,
               state: torch.Tensor, copies: torch.Tensor | None, sampling: SamplingParams,
-              generator: torch.Generator | None, drafting: torch.Tensor, probs: list, copy: bool
+              generator: torch.Generator | RowStreams | None, drafting: torch.Tensor, probs: list, copy: bool
               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft step's pick from `logits` (sampled drafts, copy_below, a dense head, no kernels):
         (token [N], its probability under the drafter, or None when nothing reads it). Sampled
@@ -191,6 +191,8 @@ class MTPDrafter(Drafter):
         q = confidence = None
         if not sampling.greedy or self.min_confidence > 0 or copy:
             q = probabilities(logits, GREEDY_CONFIDENCE if sampling.greedy else sampling)
+        if isinstance(generator, list):  # a row draws only while it drafts: its stream's use is its own
+            generator = [g if d else None for g, d in zip(generator, drafting.tolist())]
         pick = logits.argmax(-1) if sampling.greedy else draw_tokens(q, generator)
         if q is not None:
             confidence = q.gather(1, pick[:, None]).squeeze(1)
@@ -205,7 +207,8 @@ class MTPDrafter(Drafter):
         return token, confidence
 
     @torch.inference_mode()
-    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+    def propose(self, inp: DraftInput, k: int, sampling: SamplingParams,
+                generator: torch.Generator | RowStreams | None) -> Draft:
         b = inp.last_token.shape[0]
         dtype = inp.hidden.dtype
         contexts = layer_contexts(self.sources, inp.cache.k, inp.cache.v, inp.position[:, None], dtype)

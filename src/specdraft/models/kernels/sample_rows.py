@@ -11,12 +11,12 @@ from __future__ import annotations
 import torch
 
 from specdraft.models.kernels.build import applies, library
-from specdraft.sampling import inverse_cdf, row_uniforms
+from specdraft.sampling import RowStreams, inverse_cdf, row_uniforms
 
 
-def draw_tokens(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw_tokens(probs: torch.Tensor, generator: torch.Generator | RowStreams | None) -> torch.Tensor:
     """sampling.sample(probs, generator): one token per row of probs [..., V] (non-negative
-    weights, normalised or not), taking the same uniforms from `generator`."""
+    weights, normalised or not), taking the same uniforms from `generator` (or each row's stream)."""
     flat = probs.reshape(-1, probs.shape[-1])
     u = row_uniforms(flat, generator)
     if not applies(flat) or flat.shape[-1] == 0:

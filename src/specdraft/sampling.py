@@ -35,6 +35,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def shaping(self) -> tuple[float, int, float]:
+        """What shapes the distribution (temperature, top-k, top-p), the seed left out: requests
+        alike here can share one Q."""
+        return self.temperature, self.top_k, self.top_p
+
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [..., V] -> probabilities [..., V] (float32) after temperature, top-k and top-p."""

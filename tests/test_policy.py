@@ -212,6 +212,26 @@ def test_a_drafter_that_stops_early_is_charged_for_what_it_drafts():
     assert row.continues["mtp"][0] > 0.01 and row.continues["mtp"][2] < 1.0
 
 
+def test_a_drafter_that_carries_on_where_it_is_right_is_worth_asking_for_more():
+    """The MTP drafter carries on where it is sure, which is where its drafts are accepted. Here
+    half the rounds bring one draft that fails and half bring two that both pass: asking for 2
+    emits 1 + 0.5 + 0.5 = 2 tokens, not the 1.75 that the overall chance of carrying on (0.5) times
+    the first draft's acceptance gives. Counted the second way, the second draft did not pay
+    and the policy ran plain rounds."""
+    costs = FakeCosts(lambda n, w: 1.0 + 0.05 * (w - 1), lambda n, s: 0.5 * s)
+    p = policy_for(costs, k=2, prior={"mtp": 0.5})
+    row = p.new_row("mtp")
+    for _ in range(200):
+        p.observe(row, "mtp", 1, 0, requested=2)
+        p.observe(row, "mtp", 2, 2, requested=2)
+        p.observe(row, "mtp", 2, 2, requested=2)
+        p.observe(row, "mtp", 1, 0, requested=2)
+    assert row.continues["mtp"][0] == pytest.approx(0.5, abs=0.15)
+    assert row.continues_accepted["mtp"][0] == pytest.approx(1.0, abs=0.01)
+    assert p.expected_tokens(row)[2] == pytest.approx(2.0, abs=0.1)
+    assert p.choose([row]) == 2  # 2 tokens for ~1.83 seconds against 1 for 1 (and 1.5 for 1.55)
+
+
 def test_fixed_policy_is_k_with_the_row_rule():
     assert FixedPolicy(5).choose([None] * 16) == 5
     rule = FixedPolicy(3, speculate_below=4)

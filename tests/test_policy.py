@@ -251,6 +251,19 @@ def test_timing_noise_is_taken_out():
     assert clean[1] == {1: 1.0, 2: 1.3, 3: 1.5} and clean[2] == noisy[2]
 
 
+def test_forward_costs_interpolate_between_widths_and_batch_sizes(tmp_path):
+    """Linear between profiled widths and between profiled batch sizes (tables whose widths
+    differ included), proportional past either end."""
+    costs = MeasuredCosts({"k": 1}, tmp_path)
+    costs.target = {1: {1: 1.0, 2: 1.2, 4: 2.0}, 4: {1: 2.0, 2: 3.0}}
+    assert costs.verify(1, 3) == pytest.approx(1.6)
+    assert costs.verify(4, 1.5) == pytest.approx(2.5)
+    assert costs.verify(4, 4) == pytest.approx(6.0)  # past its widths: proportional
+    assert costs.verify(2, 1.5) == pytest.approx(1.1 + (2.5 - 1.1) / 3)
+    assert costs.verify(8, 2) == pytest.approx(6.0)  # past the batch sizes: proportional
+    assert costs.verify(1, 0.5) == pytest.approx(0.5)
+
+
 # --- the measured cost model's cache ------------------------------------------------------------
 
 def test_cost_cache_round_trip(gemma_tiny, tmp_path):

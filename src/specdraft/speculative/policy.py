@@ -30,6 +30,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import bisect
 import math
 import os
 import platform
@@ -436,15 +437,22 @@ def profiled_widths(width: int) -> list[int]:
     return sorted({w for w in range(1, min(top, 6) + 1)} | set(range(6, top, 3)) | {top})
 
 
-def _interpolate(table: dict[int, float], x: int) -> float:
-    keys = sorted(table)
-    if x in table:
-        return table[x]
-    lo = max((k for k in keys if k < x), default=keys[0])
-    hi = min((k for k in keys if k > x), default=keys[-1])
-    if lo == hi:
-        return table[lo] * x / lo  # past the table: proportional
-    return table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
+def _interpolate_at(xs: list[int], y: Callable[[int], float], x: float) -> float:
+    """Piecewise linear through (xs[i], y(i)) (xs sorted), proportional past either end; y is
+    called only for the points x falls between (the policy prices ~10 widths a round)."""
+    i = bisect.bisect_left(xs, x)
+    if i < len(xs) and xs[i] == x:
+        return y(i)
+    if i == 0 or i == len(xs):  # past the table: proportional
+        j = 0 if i == 0 else len(xs) - 1
+        return y(j) * x / xs[j]
+    lo, hi = y(i - 1), y(i)
+    return lo + (hi - lo) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
+def _interpolate(table: dict[int, float], x: float) -> float:
+    xs = sorted(table)
+    return _interpolate_at(xs, lambda i: table[xs[i]], x)
 
 
 def monotone(target: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
@@ -475,7 +483,8 @@ class MeasuredCosts:
         self.drafts: dict[str, dict[int, list[float]]] = {}  # drafter key -> rows -> [base s, per-step s]
         self.drafter = ""
         self._clean = None  # the target table with timing noise taken out (monotone), built on use
-        self._clean_head = None  # the same for the head
+        self._curves: dict[float, tuple[list[int], list[float]]] = {}  # its curve over widths, per rows
+        self._clean_head = None  # the same for the head: (sizes, seconds)
         self.profiled = 0  # cells timed by this process (tests read it)
         self._load()
 
@@ -502,9 +511,8 @@ class MeasuredCosts:
         the positions verification scores: `block` at a time (HEAD_BLOCK greedy, SAMPLED_HEAD_BLOCK
         sampling), block b for alive[b] rows (expected: those whose earlier drafts were all
         accepted; None: all n). The head is the greedy one's time either way."""
-        if self._clean is None:
-            self._clean = monotone(self.target)
-        forward = _interpolate({b: _interpolate(t, w) for b, t in self._clean.items()}, n)
+        widths, seconds = self._forward_curve(n)
+        forward = _interpolate_at(widths, seconds.__getitem__, w)
         if not self.head:
             return forward
         head = 0.0
@@ -514,12 +522,27 @@ class MeasuredCosts:
             head += min(1.0, rows) * self.head_seconds(max(1.0, rows) * min(block, w - start))
         return forward + head
 
+    def _forward_curve(self, n: float) -> tuple[list[int], list[float]]:
+        """(widths, seconds) of a forward over n rows, interpolated between the profiled batch sizes
+        at every profiled width: once per n, as the policy prices every width of a round for the
+        same n (a piecewise-linear curve through the union of the widths is exactly the
+        interpolation of the rows' own curves)."""
+        if self._clean is None:
+            self._clean, self._curves = monotone(self.target), {}
+        if n not in self._curves:
+            rows = sorted(self._clean)
+            widths = sorted({w for t in self._clean.values() for w in t})
+            seconds = [_interpolate_at(rows, lambda i: _interpolate(self._clean[rows[i]], w), n) for w in widths]
+            self._curves[n] = (widths, seconds)
+        return self._curves[n]
+
     def head_seconds(self, rows: float) -> float:
         """The greedy head over `rows` hidden rows, interpolated (fewer than profiled: proportional)."""
         if self._clean_head is None:  # more rows never cost less: noise only adds time
-            self._clean_head = {m: min(s for k, s in self.head.items() if k >= m) for m in self.head}
-        least = min(self._clean_head)
-        return self._clean_head[least] * rows / least if rows < least else _interpolate(self._clean_head, rows)
+            sizes = sorted(self.head)
+            self._clean_head = (sizes, [min(s for k, s in self.head.items() if k >= m) for m in sizes])
+        sizes, seconds = self._clean_head
+        return _interpolate_at(sizes, seconds.__getitem__, rows)
 
     def draft(self, n: int, steps: int) -> float:
         if steps == 0:
@@ -527,8 +550,9 @@ class MeasuredCosts:
         table = self.drafts.get(self.drafter, {})
         if not table:
             return 0.0
-        base = _interpolate({b: v[0] for b, v in table.items()}, n)
-        step = _interpolate({b: v[1] for b, v in table.items()}, n)
+        rows = sorted(table)
+        base = _interpolate_at(rows, lambda i: table[rows[i]][0], n)
+        step = _interpolate_at(rows, lambda i: table[rows[i]][1], n)
         return base + step * steps
 
     @torch.inference_mode()

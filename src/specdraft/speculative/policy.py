@@ -26,11 +26,11 @@ greedy output and sampling stay exact.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import hashlib
 import json
-import bisect
 import math
 import os
 import platform

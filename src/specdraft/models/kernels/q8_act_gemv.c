@@ -222,8 +222,9 @@ TILE(8, ntile, 1)
  * 2 x 127 x code_max, so several add exactly in 16 bits (vpaddw) before one vpmaddwd widens
  * them: CHAIN step pairs (4 pair sums) a widening, 4 for 4-bit codes (a whole group of 32), 2 for
  * 5-bit, 1 for 6-bit, 0 = every pair sum widened (8-bit). The integers are the same, so are the
- * bits; what it saves is multiplier work: on AMD's Zen 1-3, vpmaddubsw and vpmaddwd share one
- * vector pipe, and a widening per product pair is half of a wide call's time there. */
+ * bits; what it saves is multiplier work: on AMD's Zen 1-3, vpmaddubsw and vpmaddwd go to the same
+ * multiply pipes (on Zen 3 two of them, which also run the FMAs: 2 of either a cycle, alone or
+ * mixed), and a widening per product pair is half of a wide call's time there. */
 static inline __m256i bcast4(const int8_t *q) { return _mm256_set1_epi32(*(const int32_t *)q); }
 
 /* Memory order: a tile reads a group's 64-byte lines twice, 32 bytes of each for outputs 0-7

@@ -20,6 +20,7 @@ from specdraft.training.data import DataConfig, build_dataset, load_sequences
 from specdraft.training.prompts import EvalGuard, load_prompt_set
 from specdraft.training.evaluate import replay_greedy_decoding
 from specdraft.training.labels import label_head, topk_log_probs
+from specdraft.training.objective import distribution_loss
 from specdraft.training.trainer import NEW_BLOCK_LR_SCALE, TrainConfig, Trainer
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
@@ -283,6 +284,25 @@ def test_top_k_log_probs_are_the_log_softmax_top_k(tiny_target):
     full = torch.log_softmax(model.logits(hidden), -1)
     torch.testing.assert_close(logp, torch.topk(full, 5).values, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(full.gather(1, ids), logp, atol=1e-5, rtol=1e-5)
+
+
+def test_the_overlap_term_is_the_chance_a_sampled_draft_is_rejected():
+    """kl+tv adds 1 - sum min(p, q): for p = (.5, .5, 0, 0) over the top-k and q = (.7, .1, .1, .1)
+    a draft sampled from q is accepted with chance .5 + .1 = .6, so the term is .4; where q
+    equals p it is 0 and the loss is kl's. Shortlist index -1 (a top-k id outside it) drops out of
+    p, and a masked anchor counts for neither."""
+    q = torch.tensor([0.7, 0.1, 0.1, 0.1])
+    logits = q.log()[None, None, :].repeat(1, 2, 1)  # 2 anchors over a shortlist of 4
+    idx = torch.tensor([[[0, 1, -1], [0, 1, -1]]])  # top-3 ids; the third is not in the shortlist
+    top_logp = torch.tensor([[[0.5, 0.5, 0.9], [0.5, 0.5, 0.9]]]).log()
+    ok = torch.tensor([[True, False]])
+    kl = distribution_loss(logits, idx, top_logp, ok)
+    both = distribution_loss(logits, idx, top_logp, ok, overlap=True)
+    assert torch.isclose(kl, -(0.5 * torch.log(q[:2])).sum(), atol=1e-6)
+    assert torch.isclose(both - kl, torch.tensor(0.4), atol=1e-6)
+    matched = torch.tensor([0.5, 0.5, 1e-9, 1e-9]).log()[None, None, :].repeat(1, 2, 1)
+    assert torch.isclose(distribution_loss(matched, idx, top_logp, ok, overlap=True),
+                         distribution_loss(matched, idx, top_logp, ok), atol=1e-6)
 
 
 def test_label_head_is_the_heads_logits_within_bf16_rounding(tiny_target):

@@ -118,8 +118,10 @@ def _register_train(sub) -> None:
     p.add_argument("--shortlist", type=int, default=32768,
                    help="tokens the training softmax scores: the ones the target produces most often in the data "
                         "(default 32768; the softmax over them is most of a step's cost on a CPU)")
-    p.add_argument("--loss", choices=["ce", "kl"], default="ce",
-                   help="ce: cross-entropy on the target's emitted tokens; kl: to its top-k distribution")
+    p.add_argument("--loss", choices=["ce", "kl", "kl+tv"], default="ce",
+                   help="ce: cross-entropy on the target's emitted tokens; kl: to its top-k distribution; "
+                        "kl+tv: kl plus the chance that a draft sampled from the drafter is rejected (1 - sum "
+                        "min(p, q)), for sampled decoding")
     p.add_argument("--eval-every", type=int, default=250, help="held-out evaluation interval in steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")

@@ -153,6 +153,30 @@ def add_copy_bonus(logits: torch.Tensor, bonus: torch.Tensor, copies: torch.Tens
     return logits.scatter_add(2, idx.clamp(min=0), torch.where(ok, bonus, 0.0).to(logits.dtype))
 
 
+def distribution_loss(logits: torch.Tensor, idx: torch.Tensor, top_logp: torch.Tensor, ok: torch.Tensor,
+                      overlap: bool = False, overlap_weight: float = 1.0) -> torch.Tensor:
+    """The token loss against the target's top-k distribution: cross-entropy -sum p log q (KL to p
+    up to p's entropy), with p renormalised over its top-k ids inside the shortlist; with
+    `overlap`, plus overlap_weight * (1 - sum min(p, q)).
+
+    sum min(p, q) is the chance that a draft sampled from q is accepted by speculative sampling
+    against p (one minus their total variation distance), what decoding at temperature 1 gains
+    per draft. KL spreads q over p's whole support; with a small drafter the mass it puts on
+    p's tail is mass a sampled draft wastes, and the overlap term pays for exactly what is
+    accepted (DistillSpec, Zhou et al. 2023, found total-variation objectives help sampled
+    acceptance). logits [B, A, S] over the shortlist; idx [B, A, k] the top-k ids' shortlist
+    indices (-1 outside); top_logp [B, A, k]; ok [B, A] the anchors that count."""
+    p = torch.softmax(top_logp.masked_fill(idx < 0, float("-inf")), dim=-1).nan_to_num(0.0)
+    logq = torch.log_softmax(logits, dim=-1).gather(2, idx.clamp(min=0))
+    if not ok.any():
+        return logits.sum() * 0
+    loss = -(p * logq).sum(-1)
+    if overlap:
+        q = logq.exp().masked_fill(idx < 0, 0.0)
+        loss = loss + overlap_weight * (1 - torch.minimum(p, q).sum(-1))
+    return loss[ok].mean()
+
+
 def unrolled_loss(net: MTPNetwork, target: torch.nn.Module, sources: list[AttentionLayout], batch: Batch, k_steps: int,
                   space: HeadSpace, loss_kind: str = "ce", step_decay: float = 0.8, cluster_weight: float = 0.2
                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -192,10 +216,8 @@ def unrolled_loss(net: MTPNetwork, target: torch.nn.Module, sources: list[Attent
             token_loss = F.cross_entropy(logits[ok], idx[ok]) if ok.any() else logits.sum() * 0
         else:
             idx = space.index[top_ids]  # [B, A, k]
-            p = torch.softmax(top_logp.masked_fill(idx < 0, float("-inf")), dim=-1).nan_to_num(0.0)
-            logq = torch.log_softmax(logits, dim=-1).gather(2, idx.clamp(min=0))
             ok = valid & (idx[:, :, 0] >= 0)
-            token_loss = -(p * logq).sum(-1)[ok].mean() if ok.any() else logits.sum() * 0
+            token_loss = distribution_loss(logits, idx, top_logp, ok, overlap=loss_kind == "kl+tv")
         loss_k = token_loss
         if space.cluster_of is not None and net.masked_embedding is not None:
             centroid_logits = net.masked_embedding.centroids(z).float()

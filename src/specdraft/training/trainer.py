@@ -46,7 +46,7 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
-    loss: str = "ce"  # "ce" (the target's emitted tokens) or "kl" (its top-k distribution)
+    loss: str = "ce"  # "ce" (the target's emitted tokens), "kl" (its top-k distribution) or "kl+tv"
     step_decay: float = 0.8
     cluster_weight: float = 0.2
     shortlist_size: int = 32768

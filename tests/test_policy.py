@@ -22,8 +22,8 @@ from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
 from specdraft.speculative.request import Request
 from specdraft.speculative.verify import HEAD_BLOCK, SAMPLED_HEAD_BLOCK
-from specdraft.speculative.policy import (LEARNING_RATE, POOL_RATE, RELAX, SAMPLED_LEARNING_RATE, SAMPLED_RELAX,
-                                          STEADY_LEARNING_RATE, STEADY_RELAX, STEADY_SOURCES, AdaptivePolicy,
+from specdraft.speculative.policy import (LEARNING_RATE, POOL_RATE, POOL_RELAX, RELAX, SAMPLED_LEARNING_RATE,
+                                          SAMPLED_RELAX, STEADY_LEARNING_RATE, STEADY_RELAX, STEADY_SOURCES, AdaptivePolicy,
                                           FixedPolicy, MeasuredCosts, by_confidence, cost_key, cpu_identity, first_rows,
                                           head_sizes, monotone, profiled_widths, row_buckets)
 
@@ -537,12 +537,48 @@ def test_sampled_drafter_rows_drift_to_what_sampled_rows_showed():
     for _ in range(300):
         assert p.choose([row]) == 0, "a sampled row re-probed towards the greedy prior"
         p.observe(row, None, 0, 0)
-    assert row.rates["mtp"][0] == pytest.approx(0.25, abs=0.01)
+    assert row.rates["mtp"][0] == pytest.approx(p.pooled[("mtp", True)][0], abs=0.02)  # it follows the pool
     looking = p.new_row("mtp", lookups=True, sampled=True)
     p.observe(looking, "lookup", 1, 0, [0.1])
     for _ in range(300):
         p.observe(looking, None, 0, 0)
     assert looking.rates["lookup"][0] == pytest.approx(0.6, abs=0.01)
+
+
+def test_a_sampled_pool_below_break_even_is_probed_again():
+    """The sampled pool learns only from rounds that draft, so once a stretch of low chances took
+    it below break-even no sampled row would draft again, whatever the drafter could do later
+    (a benchmark's later categories ran plain). While its rows run plain it creeps back towards
+    the prior (POOL_RELAX): not soon (no probing every few rounds at a loss), but in the end; and
+    the chances the probe sees decide what follows."""
+    costs = FakeCosts(lambda n, w: 1.0 + 0.45 * (w - 1))  # one draft breaks even at ~0.45
+    for later_chance, keeps_drafting in ((0.7, True), (0.2, False)):
+        p = policy_for(costs, k=1, prior={"mtp": 0.6})
+        for _ in range(200):  # a bad stretch: chances of 0.25
+            p.observe(p.new_row("mtp", sampled=True), "mtp", 1, 0, [0.25])
+        low, plain = p.pooled[("mtp", True)][0], 0
+        assert low < 0.3
+        while True:  # requests of 64 tokens each, run plain while the policy says so
+            row = p.new_row("mtp", sampled=True)
+            drafted = False
+            for _ in range(64):
+                if p.choose([row]) == 1:
+                    drafted = True
+                    break
+                p.observe(row, None, 0, 0)
+                plain += 1
+            if drafted:
+                break
+            assert plain < 5000, "the pool never came back above break-even"
+        assert plain > 300, "probed again too soon"
+        assert p.pooled[("mtp", True)][0] == pytest.approx(0.6 - (0.6 - low) * (1 - POOL_RELAX) ** plain)
+        for _ in range(40):  # the probe and what follows: the drafter's chances now
+            row = p.new_row("mtp", sampled=True)
+            if p.choose([row]) == 1:
+                p.observe(row, "mtp", 1, 0, [later_chance])
+            else:
+                p.observe(row, None, 0, 0)
+        assert (p.choose([p.new_row("mtp", sampled=True)]) == 1) == keeps_drafting
 
 
 def test_engine_tells_the_policy_which_requests_sample(llama_tiny):

@@ -20,8 +20,10 @@ A row that stops drafting keeps no evidence, so its estimates drift back to the 
 plain rounds: a row whose text turns predictable again gets probed now and then, at the cost of
 one wide round every few dozen plain ones (lookups) or every few (a drafter's steady rate, which
 is also learnt more slowly: one rejection is a single coin flip of it). A drafter's sampled rows
-drift instead to what the engine's sampled rows have shown (see _relax_target). The choice reads only past tokens and counts, so
-greedy output and sampling stay exact.
+drift instead to what the engine's sampled rows have shown (see _relax_target), and that estimate
+itself creeps back to the prior while they run plain, so it cannot lock every later request out of
+drafting (POOL_RELAX). The choice reads only past tokens and counts, so greedy output and sampling
+stay exact.
 """
 
 from __future__ import annotations
@@ -74,6 +76,14 @@ STEADY_SOURCES = ("mtp", "draft")
 SAMPLED_LEARNING_RATE = 0.1
 SAMPLED_RELAX = 0.05
 POOL_RATE = 0.05  # the same for the engine-wide estimate a new request starts from
+# Per plain round of a drafter's sampled row: how far the engine's sampled estimate moves back
+# towards the prior. Sampled rows start from that pool and drift to it (_relax_target), and it
+# learns only from rounds that draft; a stretch of low chances that took it below break-even
+# left every later sampled request plain for good (Spec-Bench at temperature 1, 10 prompts a
+# category: `auto` ran plain from the 90th prompt on, tau 1.06-1.11 where fixed `mtp` had
+# 1.48-1.71). With this a pool below break-even is probed again after a few hundred plain rounds,
+# and one probe's chances pull it back as far as they say.
+POOL_RELAX = 0.002
 MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (estimates are noisy)
 # The same for rounds of several rows: there a round's host work (drafter bookkeeping, copy
 # lookups, ragged acceptance) grows with the rows and is not in the measured costs, and the
@@ -308,6 +318,9 @@ class AdaptivePolicy(DraftPolicy):
             for src, rates in state.rates.items():
                 relax = self._learning(state, src)[1]
                 rates[:] = [r + relax * (p - r) for r, p in zip(rates, self._relax_target(state, src))]
+                if state.sampled and src in self.steady_sources:  # the pool it drifts to must not lock in
+                    pool = self._start(src, True)
+                    pool[:] = [q + POOL_RELAX * (p - q) for q, p in zip(pool, self._priors(src, len(pool)))]
             for src, cont in [*state.continues.items(), *state.continues_accepted.items()]:
                 relax = self._learning(state, src)[1]
                 cont[:] = [c + relax * (1.0 - c) for c in cont]

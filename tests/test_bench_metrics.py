@@ -179,3 +179,27 @@ def test_auto_is_held_against_the_best_fixed_method_per_category():
     headers, table = best_fixed_rows(payload, "1", "auto")
     assert [r[0] for r in table] == ["a", "b", "overall"]
     assert table[0][3:] == ["`mtp`", "2.00x", "1.25x (1.25-1.25)"]
+
+
+def test_the_noise_control_is_shown_beside_auto_and_never_its_yardstick():
+    """plain-again is plain decoding a second time: it must not be the "best fixed" method auto is held
+    against (there it would only pick the luckier of two identical cells), and auto's table shows its
+    speedup over plain per category, the noise a cell reads with no difference in work."""
+    rows = []
+    for i, cat in enumerate(["a", "a", "a", "b", "b", "b"]):
+        rows += [row("plain", i, 10, 1.0, category=cat),
+                 row("plain-again", i, 10, 0.8 if cat == "a" else 1.25, category=cat),  # 1.25x / 0.8x: noise
+                 row("mtp", i, 10, 0.9, category=cat),
+                 row("auto", i, 10, 0.5, category=cat)]
+    summary = metrics.summarize(rows, [])
+    best = summary["batch_sizes"]["1"]["methods"]["auto"]["against_best_fixed"]
+    assert best["categories"]["a"]["method"] == "mtp" and best["overall"]["method"] == "mtp"
+    assert metrics.fixed_methods(["plain", "plain-again", "mtp", "auto"], "auto") == ["plain", "mtp"]
+
+    from specdraft.bench.report import best_fixed_rows
+
+    payload = {"summary": summary, "questions": [{"category": "a"}, {"category": "b"}]}
+    headers, table = best_fixed_rows(payload, "1", "auto")
+    assert headers[-1] == "`plain-again` vs plain (noise)"
+    assert [r[0] for r in table] == ["a", "b", "overall"]
+    assert table[0][-1] == "1.25x (1.25-1.25)" and table[1][-1] == "0.80x (0.80-0.80)"

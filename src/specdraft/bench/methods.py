@@ -158,7 +158,7 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
 
     rt = ctx.runtime(method_weights(name))
     base, folder = split_method(name)  # mtp@FOLDER: another drafter than the run's
-    if base == "plain":
+    if base in ("plain", "plain-again"):  # plain-again: a second plain engine, the run's noise control
         return SpecdraftMethod(name, rt, None, 0, ctx.sampling, eos_token_ids=ctx.eos_token_ids)
     path, kind = None, base
     if base in ("mtp", "mtp+ngram"):

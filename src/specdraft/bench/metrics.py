@@ -28,6 +28,8 @@ Definitions (Spec-Bench's where it has one):
   method with the highest speedup there (plain included; peers and other weight formats not),
   and the adaptive method's speedup over it, with its interval. The best is picked on the same
   prompts, which flatters it: with equal methods, the highest of several noisy cells is high.
+- noise control (`plain-again`, when run): plain decoding a second time; its speedup over plain
+  in a cell is what timing noise alone reads there, shown beside the adaptive method's.
 """
 
 from __future__ import annotations
@@ -167,11 +169,12 @@ def cell(rows: list[dict], reference: list[dict], identical_to: list[dict] | Non
 
 def fixed_methods(methods: list[str], adaptive: str) -> list[str]:
     """The methods an adaptive one is held against: specdraft's fixed methods (plain included) with
-    the same weight format; not peers, not other adaptive ones."""
-    from specdraft.bench import SPECDRAFT_METHODS, method_weights, split_method
+    the same weight format; not peers, not other adaptive ones, not the noise control (plain again:
+    the best of two identical noisy cells would only flatter the yardstick)."""
+    from specdraft.bench import CONTROL, SPECDRAFT_METHODS, method_weights, split_method
 
     kind = lambda m: split_method(m)[0]  # noqa: E731
-    return [m for m in methods if kind(m) in SPECDRAFT_METHODS and kind(m) != "auto"
+    return [m for m in methods if kind(m) in SPECDRAFT_METHODS and kind(m) not in ("auto", CONTROL)
             and method_weights(m) == method_weights(adaptive)]
 
 

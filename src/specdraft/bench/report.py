@@ -14,7 +14,8 @@ BEST_FIXED_NOTE = (
     "far the cell moves with the prompts it happens to have; it does not cover the machine's drift over "
     "the run. The best fixed method is the fastest of the run's specdraft "
     "methods other than the adaptive one (plain included, same weights) in that category, picked on the "
-    "same prompts, which flatters it.")
+    "same prompts, which flatters it. `plain-again` (when run) is plain decoding a second time: identical "
+    "work, so its column is what timing noise alone reads in each cell.")
 
 
 def _f(x, spec: str = ".2f", scale: float = 1.0, suffix: str = "") -> str:
@@ -81,11 +82,18 @@ def _x(value, interval) -> str:
 def best_fixed_rows(payload: dict, bs: str, method: str, code: bool = True) -> tuple[list[str], list[list[str]]]:
     """An adaptive method against the reference and against the best fixed method, per category
     (`code`: method names in backticks, for markdown)."""
+    from specdraft.bench import CONTROL, method_weights
+
     name = (lambda m: f"`{m}`") if code else (lambda m: m)  # noqa: E731
     summary = payload["summary"]
-    ref, entry = summary["reference"], summary["batch_sizes"][bs]["methods"][method]
+    methods = summary["batch_sizes"][bs]["methods"]
+    ref, entry = summary["reference"], methods[method]
+    weights = method_weights(method)
+    control = methods.get(CONTROL if weights is None else f"{CONTROL}:{weights}")  # the run's noise control
     categories = list(dict.fromkeys(question["category"] for question in payload["questions"]))
     headers = ["category", "n", f"{name(method)} vs {ref}", "best fixed method", "its speedup", f"{name(method)} vs it"]
+    if control is not None:
+        headers.append(f"{name(CONTROL)} vs {ref} (noise)")
     rows = []
     for c in categories + ["overall"]:
         mine = entry["overall"] if c == "overall" else entry["categories"].get(c)
@@ -94,6 +102,9 @@ def best_fixed_rows(payload: dict, bs: str, method: str, code: bool = True) -> t
             continue
         rows.append([c, str(mine["prompts"]), _x(mine["speedup"], mine.get("speedup_interval")), name(best["method"]),
                      _x(best["best_speedup"], None), _x(best["ratio"], best["interval"])])
+        if control is not None:
+            same = control["overall"] if c == "overall" else control["categories"].get(c)
+            rows[-1].append(_x(same["speedup"], same.get("speedup_interval")) if same else "-")
     return headers, rows
 
 

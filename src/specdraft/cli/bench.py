@@ -45,6 +45,8 @@ def register(sub) -> None:
   mtp+ngram      specdraft + prompt lookup where the text repeats, the MTP drafter elsewhere
   ngram          specdraft + prompt lookup
   draft-model    specdraft + a small draft model (--draft-model)
+  plain-again    specdraft plain a second time: identical work, so its speedup over plain in
+                 each cell is the run's noise floor (shown beside auto's table)
   hf             transformers generate() on the same HF folder, dtype and device
   hf-pld         transformers generate(prompt_lookup_num_tokens=K); batch size 1 only
   llama-cpp      llama-cpp-python on the same GGUF; batch size 1 only; optional, build with:

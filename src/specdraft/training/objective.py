@@ -166,10 +166,10 @@ def distribution_loss(logits: torch.Tensor, idx: torch.Tensor, top_logp: torch.T
     accepted (DistillSpec, Zhou et al. 2023, found total-variation objectives help sampled
     acceptance). logits [B, A, S] over the shortlist; idx [B, A, k] the top-k ids' shortlist
     indices (-1 outside); top_logp [B, A, k]; ok [B, A] the anchors that count."""
-    p = torch.softmax(top_logp.masked_fill(idx < 0, float("-inf")), dim=-1).nan_to_num(0.0)
-    logq = torch.log_softmax(logits, dim=-1).gather(2, idx.clamp(min=0))
     if not ok.any():
         return logits.sum() * 0
+    p = torch.softmax(top_logp.masked_fill(idx < 0, float("-inf")), dim=-1).nan_to_num(0.0)
+    logq = torch.log_softmax(logits, dim=-1).gather(2, idx.clamp(min=0))
     loss = -(p * logq).sum(-1)
     if overlap:
         q = logq.exp().masked_fill(idx < 0, 0.0)

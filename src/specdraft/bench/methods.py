@@ -151,14 +151,14 @@ def measure_load(load):
 
 def build_specdraft(name: str, ctx: BenchContext) -> Method:
     """specdraft plain or with one of its drafters, or raise Skip."""
-    from specdraft.bench import method_weights, split_method
+    from specdraft.bench import CONTROL, method_weights, split_method
     from specdraft.drafters import load_drafter, shipped_drafter_path
     from specdraft.loading.presets import PRESETS
     from specdraft.runtime import Runtime
 
     rt = ctx.runtime(method_weights(name))
     base, folder = split_method(name)  # mtp@FOLDER: another drafter than the run's
-    if base in ("plain", "plain-again"):  # plain-again: a second plain engine, the run's noise control
+    if base in ("plain", CONTROL):  # CONTROL: a second plain engine, the run's noise control
         return SpecdraftMethod(name, rt, None, 0, ctx.sampling, eos_token_ids=ctx.eos_token_ids)
     path, kind = None, base
     if base in ("mtp", "mtp+ngram"):

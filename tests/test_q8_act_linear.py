@@ -226,3 +226,57 @@ def test_an_mtp_drafter_next_to_gguf_q8_reads_int8_weights_and_speculation_is_ex
             spec += Engine(model, drafter=drafter, draft_tokens=3).generate(prompts[start:start + batch], 16,
                                                                              eos_token_ids=[])
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+
+
+@kernel
+@pytest.mark.parametrize("weights", ["gguf-q8", "gguf"])
+def test_a_draft_step_in_one_c_call_gives_the_modules_bits(tmp_path: Path, monkeypatch, weights: str) -> None:
+    """draft_step.c runs a draft step from the token to its clustered head's inputs (embedding,
+    pre-projection, blocks, norm, post-projection, centroid scores, copy bonus) in one call: the
+    bits of the drafter's modules called one by one (int8 linears next to gguf-q8, fp16 tiles
+    next to gguf), and the engine's drafts go through it."""
+    from dataclasses import replace
+
+    from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+    from specdraft.drafters.mtp import network
+    from specdraft.drafters.mtp.drafter import layer_contexts
+    from specdraft.runtime import Runtime
+    from specdraft.speculative.engine import Engine
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    rt = Runtime.load(str(write_quantised_gguf(tmp_path / "tiny.gguf", "Q8_0")), dtype="float32", weights=weights,
+                      progress=False)
+    model = rt.model
+    model.config = replace(model.config, embed_scale=8.0)  # a Llama's is 1: scale its rows as Gemma's are
+    cfg = replace(drafter_config_for(model, hidden=64, layers=2, head="target", clustered=True, num_centroids=16,
+                                     top_k_clusters=4), copy_gate=True)
+    net = init_network(cfg, model, seed=3, std=0.2)
+    torch.nn.init.normal_(net.copy_gate.proj.weight, std=0.3, generator=torch.Generator().manual_seed(4))
+    save_network(net, tmp_path / "d")
+    drafter = load_mtp_drafter(tmp_path / "d", model, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    tokens, state = torch.randint(0, vocab, (2,), generator=gen), torch.randn(2, model.config.hidden_size, generator=gen)
+    calls = []
+    real_call = network.draft_step
+    monkeypatch.setattr(network, "draft_step", lambda *a: calls.append(1) or real_call(*a))
+    with torch.inference_mode():
+        cache = model.new_cache(2, 8)
+        model(torch.randint(0, vocab, (2, 6), generator=gen), cache)
+        contexts = layer_contexts(drafter.sources, cache.k, cache.v, torch.full((2, 1), 5), torch.float32)
+        fused = drafter.net.draft_step(model, tokens, state, contexts)
+        assert calls == [1]
+        z, next_state = drafter.net.step(model.embed(tokens[:, None]), state[:, None], contexts)
+        z, next_state = z[:, 0], next_state[:, 0]
+        head, gate = drafter.net.masked_embedding, drafter.net.copy_gate
+        assert torch.equal(fused.z, z) and torch.equal(fused.state, next_state)
+        assert torch.equal(fused.centroid_scores, head.centroids(z)) and torch.equal(fused.copy_bonus, gate(z))
+        assert fused.copy_bonus.abs().min() > 0
+        monkeypatch.setenv("SPECDRAFT_KERNELS", "0")  # no kernels: the modules' path, no scores computed ahead
+        assert drafter.net.draft_step(model, tokens, state, contexts).centroid_scores is None
+    monkeypatch.delenv("SPECDRAFT_KERNELS")
+    prompts = repetitive_prompts(vocab, 2)
+    plain = Engine(model).generate(prompts, 16, eos_token_ids=[])
+    calls.clear()
+    spec = Engine(model, drafter=drafter, draft_tokens=3).generate(prompts, 16, eos_token_ids=[])
+    assert calls and [r.token_ids for r in spec] == [r.token_ids for r in plain]

@@ -204,12 +204,13 @@ class RecordingDrafter(MTPDrafter):
         self.rounds: list[dict] = []
         self._steps: list[torch.Tensor] = []
 
-    def logits(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None = None, sampled: bool = False):
+    def logits(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None = None, sampled: bool = False,
+               step=None):
         head = self.net.masked_embedding
         if head is not None:
             n = min(max(self.record_clusters, head.top_k), head.num_centroids)
             self._steps.append(torch.topk(head.centroids(z).float(), n, dim=-1).indices.cpu())
-        return super().logits(z, state, copies, sampled)
+        return super().logits(z, state, copies, sampled, step)
 
     def propose(self, inp, k, sampling, generator):
         self._steps = []

@@ -13,7 +13,7 @@ import torch
 from specdraft.drafters.base import Draft, Drafter, DraftInput, SparseProbs
 from specdraft.drafters.mtp.copy import RoundCopies, add_copies, host_copy_columns
 from specdraft.drafters.mtp.head import score
-from specdraft.drafters.mtp.network import LayerContext, MTPNetwork
+from specdraft.drafters.mtp.network import DraftStep, LayerContext, MTPNetwork
 from specdraft.kv_cache import attention_span
 from specdraft.models.kernels.build import applies as kernels_apply
 from specdraft.models.kernels.score_rows import draft_head
@@ -118,15 +118,16 @@ class MTPDrafter(Drafter):
             return self.net.model.embed_tokens.weight, z
         return self.target.head_weight, state
 
-    def logits(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None = None, sampled: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logits(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None = None, sampled: bool = False,
+               step: DraftStep | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """z [N, h], next state [N, H] -> (logits [N, M], candidate ids [N, M] or None for all V).
         `copies` [N, 2]: the current tokens' copy candidates (copy.py), for a drafter with a copy gate.
-        `sampled`: for a sampled draft (a clustered head keeps its sampled_top_k clusters)."""
+        `sampled`: for a sampled draft (a clustered head keeps its sampled_top_k clusters).
+        `step`: the draft step z and state come from, with the head's inputs it computed, if any."""
         table, vec = self.head_table_and_input(z, state)
         head, gated = self.net.masked_embedding, copies is not None and self.net.copy_gate is not None
         kept = None if head is None else head.sampled_top_k if sampled else head.top_k
-        done = self._head_kernel(z, vec, table, copies if gated else None, kept=kept)
+        done = self._head_kernel(z, vec, table, copies if gated else None, kept=kept, step=step)
         if done is not None:
             return done
         top = head.top_clusters(z, kept) if head is not None else None
@@ -145,27 +146,32 @@ class MTPDrafter(Drafter):
             logits, cands = add_copies(logits, cands, copies, self.net.copy_gate(z), vec, table, columns)
         return logits, cands
 
-    def greedy_pick(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def greedy_pick(self, step: DraftStep, copies: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(greedy draft [N], its probability [N]): the argmax and softmax of `logits`' logits, taken
         in the head's C call. None where that call does not serve (see _head_kernel)."""
-        table, vec = self.head_table_and_input(z, state)
+        table, vec = self.head_table_and_input(step.z, step.state)
         gated = copies is not None and self.net.copy_gate is not None
-        done = self._head_kernel(z, vec, table, copies if gated else None, pick=True)
+        done = self._head_kernel(step.z, vec, table, copies if gated else None, pick=True, step=step)
         return None if done is None else done[2:]
 
     def _head_kernel(self, z: torch.Tensor, vec: torch.Tensor, table: torch.Tensor, copies: torch.Tensor | None,
-                     pick: bool = False, kept: int | None = None) -> tuple | None:
+                     pick: bool = False, kept: int | None = None, step: DraftStep | None = None) -> tuple | None:
         """The clustered head in one C call (score_rows.c draft_head): the top clusters, their tokens'
         scores and the copy bonuses, ~0.5 ms a step less than as tensor ops. None for a dense head,
-        or where the kernels do not serve (not float32 on the CPU, SPECDRAFT_KERNELS=0)."""
+        or where the kernels do not serve (not float32 on the CPU, SPECDRAFT_KERNELS=0). The centroid
+        scores and copy bonus come from `step` where its C call computed them."""
         head = self.net.masked_embedding
         if head is None or not kernels_apply(vec) or table.dtype not in (torch.float16, torch.float32):
             return None
         if self._slot_tensors is None:
             self._slot_tensors = head.slot_tensors()
-        bonus = None if copies is None else self.net.copy_gate(z)
-        return draft_head(vec, table, head.centroids(z), kept or head.top_k, head.clusters(), *self._slot_tensors,
+        scores = step.centroid_scores if step is not None else None
+        scores = head.centroids(z) if scores is None else scores
+        bonus = None
+        if copies is not None:
+            bonus = step.copy_bonus if step is not None else None
+            bonus = self.net.copy_gate(z) if bonus is None else bonus
+        return draft_head(vec, table, scores, kept or head.top_k, head.clusters(), *self._slot_tensors,
                           copies, bonus, pick)
 
     def prepare(self, batch_size: int, capacity: int) -> None:
@@ -180,14 +186,16 @@ class MTPDrafter(Drafter):
         if self.round_copies is not None:
             self.round_copies.index.move_row(src, dst)
 
-    def _pick(self, inp: DraftInput, drafts: list[torch.Tensor], current: torch.Tensor, z: torch.Tensor,
-              state: torch.Tensor, copies: torch.Tensor | None, sampling: SamplingParams,
-              generator: torch.Generator | RowStreams | None, drafting: torch.Tensor, probs: list, copy: bool
-              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _pick(self, inp: DraftInput, drafts: list[torch.Tensor], current: torch.Tensor, step: DraftStep,
+              copies: torch.Tensor | None, sampling: SamplingParams, generator: torch.Generator | RowStreams | None,
+              drafting: torch.Tensor, probs: list, copy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft step's pick from `logits` (sampled drafts, copy_below, a dense head, no kernels):
         (token [N], its probability under the drafter, or None when nothing reads it). Sampled
         steps append the exact Q they drew from to `probs`."""
-        logits, cands = self.logits(z, state, copies) if sampling.greedy else self.logits(z, state, copies, sampled=True)
+        if sampling.greedy:
+            logits, cands = self.logits(step.z, step.state, copies)
+        else:  # the step's centroid scores and copy bonus, where its C call computed them
+            logits, cands = self.logits(step.z, step.state, copies, sampled=True, step=step)
         q = confidence = None
         if not sampling.greedy or self.min_confidence > 0 or copy:
             q = probabilities(logits, GREEDY_CONFIDENCE if sampling.greedy else sampling)
@@ -212,7 +220,7 @@ class MTPDrafter(Drafter):
         b = inp.last_token.shape[0]
         dtype = inp.hidden.dtype
         contexts = layer_contexts(self.sources, inp.cache.k, inp.cache.v, inp.position[:, None], dtype)
-        token, state = inp.last_token, inp.hidden[:, None]
+        token, state = inp.last_token, inp.hidden
         tokens, probs = [], []
         vocab = self.target.config.vocab_size
         drafting = inp.active.clone()  # rows still drafting
@@ -222,12 +230,12 @@ class MTPDrafter(Drafter):
         if gated:  # each row's text so far ends in its current token, at position + 1
             self.round_copies.start(inp.tokens, inp.position + 2)
         for _ in range(k):
-            z, state = self.net.step(self.target.embed(token[:, None]), state, contexts)
+            step = self.net.draft_step(self.target, token, state, contexts)
+            state = step.state
             copies = self.round_copies.copies(token.device) if gated else None
-            picked = self.greedy_pick(z[:, 0], state[:, 0], copies) if sampling.greedy and not copy else None
+            picked = self.greedy_pick(step, copies) if sampling.greedy and not copy else None
             if picked is None:
-                picked = self._pick(inp, tokens, token, z[:, 0], state[:, 0], copies, sampling, generator,
-                                    drafting, probs, copy)
+                picked = self._pick(inp, tokens, token, step, copies, sampling, generator, drafting, probs, copy)
             token, confidence = picked
             tokens.append(token)
             if gated:  # the draft is the next step's current token

@@ -27,9 +27,10 @@ from specdraft.drafters.mtp.head import ClusteredHead
 from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models.kernels import build as kernels
 from specdraft.models.kernels.build import applies as kernels_apply
-from specdraft.models.kernels.decoder_layer import (LayerStep, LayerWeights, decoder_layer, decoder_stack, fusable,
+from specdraft.models.kernels.decoder_layer import (Linear, LayerStep, LayerWeights, decoder_layer, decoder_stack, fusable,
                                                     kernel_linear, layer_step, linear_weights, parts_key, pointer,
                                                     reads_cache)
+from specdraft.models.kernels.draft_step import DraftNet, draft_step
 from specdraft.models.kernels.fp16_gemv import takes as fp16_tiles_take
 from specdraft.models.kernels.gated_act import KINDS
 from specdraft.models.layers import GatedMLP, RMSNorm, attend
@@ -48,6 +49,16 @@ class LayerContext:
     cos: torch.Tensor  # [B, 1, T, D] at the query positions
     sin: torch.Tensor
     scale: float
+
+
+@dataclass
+class DraftStep:
+    """One inference draft step's outputs for B rows."""
+
+    z: torch.Tensor  # [B, h]
+    state: torch.Tensor  # [B, H], the next step's state
+    centroid_scores: torch.Tensor | None = None  # [B, C] when computed with the step (else the head's to do)
+    copy_bonus: torch.Tensor | None = None  # [B, 2] likewise, for a drafter with a copy gate
 
 
 class QueryOnlyAttention(nn.Module):
@@ -154,6 +165,7 @@ class MTPNetwork(nn.Module):
         )
         self.copy_gate = CopyGate(cfg.hidden_size) if cfg.copy_gate else None
         self._stack = None  # a drafting round's blocks for decoder_layer.c: see _round_stack
+        self._net = None  # (key, DraftNet or None, what it points into): see _draft_net
 
     def step(self, token_embeds: torch.Tensor, state: torch.Tensor, contexts: list[LayerContext]
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,6 +179,50 @@ class MTPNetwork(nn.Module):
                 x = layer(x, ctx)
         z = self.model.norm(x)
         return z, self.post_projection(z)
+
+    def draft_step(self, target: nn.Module, tokens: torch.Tensor, state: torch.Tensor,
+                   contexts: list[LayerContext]) -> DraftStep:
+        """An inference draft step for the current tokens [B] and states [B, H]: `step` on the
+        target's embeddings, in one C call with the head's centroid scores and copy bonus where
+        the kernels take every part (draft_step.c: the same bits, ~0.4 ms a step less)."""
+        net = self._draft_net(target, state)
+        stack = None if net is None else self._round_stack(state[:, None], contexts)
+        if stack is None:
+            z, state = self.step(target.embed(tokens[:, None]), state[:, None], contexts)
+            return DraftStep(z[:, 0], state[:, 0])
+        return DraftStep(*draft_step(net, stack[1], stack[2], tokens, state))
+
+    def _draft_net(self, target: nn.Module, state: torch.Tensor) -> DraftNet | None:
+        """The network's parts outside its blocks for draft_step.c, where the kernels take them all:
+        float32 inference on the CPU, kernel linears, a plain token table of fp16 or float32 rows
+        (the target's embed(): a row, widened, times embed_scale). Kept until a part changes."""
+        embedding = getattr(target, "embed_tokens", None)
+        if not kernels_apply(state) or type(embedding) is not nn.Embedding or target.dtype != torch.float32:
+            return None
+        table = embedding.weight
+        head, gate = self.masked_embedding, self.copy_gate
+        linears = [self.pre_projection, self.post_projection] + ([head.centroids] if head is not None else []) \
+            + ([gate.proj] if gate is not None else [])
+        norm = self.model.norm
+        key, tiles = parts_key(linears, [norm], id(target), table.data_ptr(), table.dtype)
+        if self._net is None or self._net[0] != key:
+            ok = (all(kernel_linear(m) for m in linears) and norm.native_ready() and table.is_contiguous()
+                  and table.dtype in (torch.float16, torch.float32))
+            self._net = (key, self._build_draft_net(target, table) if ok else None, linears, tiles, table,
+                         norm.native_scale())
+        return self._net[1]
+
+    def _build_draft_net(self, target: nn.Module, table: torch.Tensor) -> DraftNet:
+        head, gate, norm = self.masked_embedding, self.copy_gate, self.model.norm
+        none = Linear()
+        return DraftNet(
+            hidden=self.config.hidden_size, backbone=self.config.backbone_hidden_size,
+            centroids=head.num_centroids if head is not None else 0, gate_out=gate.proj.out_features if gate else 0,
+            pre=linear_weights(self.pre_projection), post=linear_weights(self.post_projection),
+            centroid=linear_weights(head.centroids) if head is not None else none,
+            gate=linear_weights(gate.proj) if gate is not None else none,
+            norm=pointer(norm.native_scale()), eps=norm.eps, table=table.data_ptr(),
+            table_half=int(table.dtype == torch.float16), embed_scale=float(target.config.embed_scale))
 
     def _round_stack(self, x: torch.Tensor, contexts: list[LayerContext]) -> tuple | None:
         """(contexts, the blocks' LayerWeights, their LayerSteps, what those point into) when every

@@ -53,6 +53,7 @@ SIGNATURES = {  # name: argument types (every kernel returns nothing)
     "fp16_gemv": [_PTR] * 4 + [_I64] * 3 + [_INT],
     "decoder_layer": [_PTR] * 5 + [_INT],
     "decoder_stack": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT],
+    "draft_step": [_PTR, _PTR, _PTR, _I64] + [_PTR] * 7 + [_INT],
 }
 
 
@@ -110,6 +111,7 @@ def library_for(avx512: bool) -> ctypes.CDLL:
         fn.argtypes, fn.restype = argtypes, None
     lib.decoder_layer_scratch.argtypes, lib.decoder_layer_scratch.restype = [_PTR, _I64, _I64], _I64
     lib.decoder_stack_scratch.argtypes, lib.decoder_stack_scratch.restype = [_PTR, _PTR, _I64], _I64
+    lib.draft_step_scratch.argtypes, lib.draft_step_scratch.restype = [_PTR, _PTR, _PTR, _I64], _I64
     lib.attend_work.argtypes, lib.attend_work.restype = [_I64] * 5, _I64
     lib.specdraft_avx512 = avx512
     return lib

@@ -12,28 +12,9 @@
  * kernels (so the same bits): this file only removes the ~40 Python-level calls a layer costs
  * there (a few ms a step on a 2-core CPU).
  */
-#include "kernels.h"
+#include "decoder_layer.h"
 
-enum { LINEAR_FP16 = 0, LINEAR_BLOCKS = 1, LINEAR_PACKED_BLOCKS = 2, LINEAR_Q8_ACT = 3, LINEAR_Q8_ACT_NIBBLES = 4,
-       LINEAR_Q8_ACT_SIGNED = 5 /* the q8_act layouts in their order: bytes, nibbles, signed bytes */ };
-
-/* A projection's weights as one of the kernels takes them. */
-typedef struct {
-    int kind;
-    const void *weights; /* fp16_gemv tiles, block_gemv's int8 codes [N, K] or packed 4-bit codes [N, K/2],
-                            q8_act_gemv's interleaved codes */
-    const float *scales, *offsets; /* blocks: per group of `group` inputs (offsets may be NULL) */
-    int64_t group;
-    const float *bias; /* NULL: none */
-    int64_t base; /* packed codes: the code of nibble 0; q8_act: the code of byte 0 */
-    int64_t code_max; /* q8_act: the largest code as stored (unsigned; signed bytes: the largest |c|) */
-} Linear;
-
-/* y [M, N] = x [M, K] W^T + bias, as the layer's per-op path computes it (Fp16Linear, BlockLinear,
- * Q8ActLinear). rows: scratch for the int8 rows of q8_act, Q8_SCRATCH(M, K) floats. */
-#define Q8_SCRATCH(M, K) ((M) * (K) / 4 + 3 * (M) * (K) / 16)
-static void linear(const Linear *W, const float *x, float *y, int64_t M, int64_t N, int64_t K, float *rows,
-                   int threads)
+void linear(const Linear *W, const float *x, float *y, int64_t M, int64_t N, int64_t K, float *rows, int threads)
 {
     if (W->kind == LINEAR_FP16) {
         fp16_gemv(x, W->weights, W->bias, y, M, N, K, threads);
@@ -53,29 +34,6 @@ static void linear(const Linear *W, const float *x, float *y, int64_t M, int64_t
     if (W->bias)
         for (int64_t i = 0; i < M * N; i++) y[i] += W->bias[i % N];
 }
-
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, inter;
-    int64_t qkv_kv_heads; /* K/V heads the qkv projection computes and the cache gets: kv_heads, or 0
-                             for query-only attention over a cache others wrote (the MTP drafter) */
-    int sandwich, act; /* act: gated_act's kind */
-    float eps, qk_eps, scale, softcap, layer_scalar; /* layer_scalar: the output's factor (Gemma 4) */
-    const float *norm_in, *norm_post_attn, *norm_pre_mlp, *norm_post_mlp; /* scales; NULL: none */
-    const float *q_norm, *k_norm; /* NULL: no q/k norms */
-    Linear qkv, o, gate_up, down;
-} LayerWeights;
-
-/* Everything a forward of B rows x T tokens needs besides the weights. */
-typedef struct {
-    int64_t B, T;
-    const float *cos, *sin; /* [B*T, head_dim] */
-    const int64_t *positions; /* [B, T] */
-    float *k_cache, *v_cache; /* this layer's [B, kv_heads, capacity, head_dim] */
-    int64_t cache_sb, cache_sh; /* their batch and head strides (the same for K and V) */
-    int64_t span_lo, span_len; /* the keys attention reads */
-    const uint8_t *mask; /* [B, 1, T, span_len] bool */
-    int64_t mask_sb, mask_st;
-} LayerStep;
 
 /* Scratch floats decoder_layer needs for M = B*T rows over span_len keys. */
 int64_t decoder_layer_scratch(const LayerWeights *L, int64_t M, int64_t span_len) {

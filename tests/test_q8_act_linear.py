@@ -80,6 +80,27 @@ def test_kernel_is_within_the_quantisation_bound_and_row_invariant(group, low, h
 
 
 @kernel
+@pytest.mark.parametrize("group,low,high", [(32, -127, 127), (32, -16, 15), (32, -8, 7), (16, -32, 31)])
+def test_fp16_scales_give_the_float32_scales_bits(group: int, low: int, high: int) -> None:
+    """Scales that fp16 holds exactly (Q8_0's: the file stores them so) are kept as fp16, half the
+    bytes, and the kernel widens them to the same float32 numbers: the same outputs bit for bit at
+    every row count; scales fp16 does not hold, or offsets, stay float32."""
+    blocks = random_blocks(48, 256, group, low, high, False, seed=group + high)
+    exact = Blocks(blocks.codes, blocks.scales.half().float(), None, group)
+    layer = Q8ActLinear(exact, None)
+    assert layer.scales.dtype == torch.float16 and layer.kernel_layout & q8_act_linear.HALF_SCALES
+    wide = Q8ActLinear(exact, None)
+    wide.scales = layer.scales.float()  # the same numbers in float32
+    assert not wide.kernel_layout & q8_act_linear.HALF_SCALES
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(1))
+    for m in range(1, 10):
+        assert torch.equal(layer(x[:m]), wide(x[:m]))
+    assert Q8ActLinear(blocks, None).scales.dtype == torch.float32  # not all fp16-exact
+    offsets = torch.zeros_like(exact.scales)
+    assert Q8ActLinear(Blocks(exact.codes, exact.scales, offsets, group), None).scales.dtype == torch.float32
+
+
+@kernel
 @pytest.mark.parametrize("group,span", [(32, 15), (16, 15), (32, 31), (16, 63), (32, 64), (32, 65), (32, 128)])
 def test_16_bit_sums_at_their_largest_stay_exact(group: int, span: int) -> None:
     """The AVX2 loop adds as many pair sums in 16 bits as the codes' span allows before widening

@@ -5,8 +5,9 @@
 
 #include "kernels.h"
 
-enum { LINEAR_FP16 = 0, LINEAR_BLOCKS = 1, LINEAR_PACKED_BLOCKS = 2, LINEAR_Q8_ACT = 3, LINEAR_Q8_ACT_NIBBLES = 4,
-       LINEAR_Q8_ACT_SIGNED = 5 /* the q8_act layouts in their order: bytes, nibbles, signed bytes */ };
+/* LINEAR_Q8_ACT and up: LINEAR_Q8_ACT + q8_act_gemv's `layout` (bytes, nibbles or signed bytes, and
+ * its fp16-scales flag) */
+enum { LINEAR_FP16 = 0, LINEAR_BLOCKS = 1, LINEAR_PACKED_BLOCKS = 2, LINEAR_Q8_ACT = 3 };
 
 /* A projection's weights as one of the kernels takes them. */
 typedef struct {

@@ -19,7 +19,7 @@ class Linear(ctypes.Structure):
                 ("base", _I64), ("code_max", _I64)]
 
 
-FP16_TILES, BLOCKS, PACKED_BLOCKS, Q8_ACT = 0, 1, 2, 3  # Q8_ACT + Q8ActLinear.layout: 3, 4, 5
+FP16_TILES, BLOCKS, PACKED_BLOCKS, Q8_ACT = 0, 1, 2, 3  # Q8_ACT + Q8ActLinear.kernel_layout: 3 and up
 
 
 def linear_weights(m) -> Linear:
@@ -28,7 +28,7 @@ def linear_weights(m) -> Linear:
     from specdraft.models.q8_act_linear import Q8ActLinear
 
     if type(m) is Q8ActLinear:
-        return Linear(Q8_ACT + m.layout, m.packed_codes.data_ptr(), m.scales.data_ptr(),
+        return Linear(Q8_ACT + m.kernel_layout, m.packed_codes.data_ptr(), m.scales.data_ptr(),
                       pointer(m.offsets), m.group, pointer(m.bias), m.code_base, m.code_max)
     if type(m) is BlockLinear and m.nibbles is not None:
         return Linear(PACKED_BLOCKS, m.nibbles.data_ptr(), m.scales.data_ptr(), pointer(m.offsets), m.group,

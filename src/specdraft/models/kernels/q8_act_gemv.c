@@ -34,8 +34,17 @@
 #define ROW_BLOCK 8 /* rows per pass over a block of outputs: at 8, 8 int32 + 8 float accumulators */
 
 /* How the codes are kept (`layout`): unsigned u = c - base one a byte or two a byte, or (AVX2 only)
- * the signed codes c themselves, one a byte, for codes spanning more than 129 values. */
-enum { Q8_BYTES = 0, Q8_NIBBLES = 1, Q8_SIGNED = 2 };
+ * the signed codes c themselves, one a byte, for codes spanning more than 129 values. Plus the flag
+ * Q8_HALF_SCALES: the scales are fp16 (each exactly its float32 value: Q8_0's are, as the file
+ * stores them), half the bytes of float32 ones; with Q8_0's one scale per 32 codes that is 6% less
+ * for the head to read (BENCHMARKS.md). */
+enum { Q8_BYTES = 0, Q8_NIBBLES = 1, Q8_SIGNED = 2, Q8_LAYOUT_MASK = 3, Q8_HALF_SCALES = 4 };
+
+/* The 8 (16) float32 scales from s[i] on: fp16 widened exactly, or float32. */
+static inline __m256 scales8(const void *s, int half, int64_t i) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + i)))
+                : _mm256_loadu_ps((const float *)s + i);
+}
 
 /* One 32-input block of a row: its codes into qb, its scale t, and the sums of its two halves'
  * codes. q = round(x / t) to nearest even; |x / t| <= 127 up to a rounding, which rounds to 127. */
@@ -129,7 +138,7 @@ static inline __m512i bcast4(const int8_t *q) { return _mm512_set1_epi32(*(const
  * same either way. `codes` points at the block's steps; NIBBLES: 32 bytes a step pair, else 64
  * bytes a step. */
 #define TILE(MB, NAME, NIBBLES)                                                                      \
-static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, const float *o,          \
+static void NAME##_##MB(const uint8_t *codes, int32_t base, const void *s, int half, const float *o, \
                         const int8_t *q, const float *a, const float *b, const int32_t *sums,       \
                         float *y, int64_t m0, int64_t K, int64_t G, int64_t N, int64_t n0) {        \
     __m512 acc[MB];                                                                                 \
@@ -160,7 +169,8 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, cons
                 }                                                                                   \
             }                                                                                       \
         }                                                                                           \
-        const __m512 sg = _mm512_loadu_ps(s + g * OUT_BLOCK);                                       \
+        const __m512 sg = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + g * OUT_BLOCK))) \
+                               : _mm512_loadu_ps((const float *)s + g * OUT_BLOCK);                 \
         for (int r = 0; r < MB; r++) {                                                              \
             const int64_t ag = (m0 + r) * groups + g;                                               \
             __m512i ig = MB > 4 ? sum0[r] : _mm512_add_epi32(sum0[r], sum1[r]); /* exact either way */ \
@@ -250,7 +260,7 @@ static inline __m256i bcast4(const int8_t *q) { return _mm256_set1_epi32(*(const
     } while (0)
 
 #define TILE(MB, NAME, LAYOUT, CHAIN)                                                                 \
-static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, const float *o,          \
+static void NAME##_##MB(const uint8_t *codes, int32_t base, const void *s, int half, const float *o, \
                         const int8_t *q, const float *a, const float *b, const int32_t *sums,       \
                         float *y, int64_t m0, int64_t K, int64_t G, int64_t N, int64_t n0) {        \
     const int64_t groups = K / G, steps = G / 4, run = CHAIN ? CHAIN : 1;                           \
@@ -296,7 +306,7 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const float *s, cons
                 if (CHAIN)                                                                          \
                     for (int r = 0; r < MB; r++) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], ones)); \
             }                                                                                       \
-            const __m256 sg = _mm256_loadu_ps(s + g * OUT_BLOCK + 8 * h);                           \
+            const __m256 sg = scales8(s, half, g * OUT_BLOCK + 8 * h);                              \
             for (int r = 0; r < MB; r++) {                                                          \
                 const int64_t ag = (m0 + r) * groups + g;                                           \
                 __m256i ig = sum[r];                                                                \
@@ -345,16 +355,18 @@ static int widen_chain(int32_t code_max, int64_t G)
 /* q, a, b, sums: the rows as q8_act_quantize gives them; codes u = c - base: [N/16, K/4, 16, 4] uint8
  * (layout Q8_NIBBLES: [N/16, K/8, 16, 4], low nibble step 2j, high step 2j + 1; Q8_SIGNED, AVX2
  * builds only: the signed codes, base 0); code_max: the largest u (or |c|) in the matrix, which
- * bounds the AVX2 loop's 16-bit sums; s, o: [N/16, K/G, 16] float32 (o may be NULL: no offsets);
- * y [M, N]. N a multiple of 16, K of G and 32. */
+ * bounds the AVX2 loop's 16-bit sums; s, o: [N/16, K/G, 16] float32 (o may be NULL: no offsets; s
+ * fp16 bits under Q8_HALF_SCALES); y [M, N]. N a multiple of 16, K of G and 32. */
 void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t *sums, const uint8_t *codes,
-                 int layout, int32_t base, int32_t code_max, const float *s, const float *o, float *y, int64_t M,
+                 int layout, int32_t base, int32_t code_max, const void *s, const float *o, float *y, int64_t M,
                  int64_t N, int64_t K, int64_t G, int threads)
 {
     /* Each thread reads its blocks as one contiguous stream. The AVX-512 loop reads each line
      * once and the hardware prefetcher keeps up: fetching the next block ahead (or 4-16 lines
      * ahead) read the same or slower on a 2-core Zen 4 (20 matrices of 4096 x 640 codes, 22 GB/s
      * at one row). The AVX2 loop reads each line in two passes and fetches ahead (PREFETCH_NEXT). */
+    const int half = (layout & Q8_HALF_SCALES) != 0;
+    layout &= Q8_LAYOUT_MASK;
     const int nibbles = layout == Q8_NIBBLES;
     const int64_t blocks = N / OUT_BLOCK, block_bytes = nibbles ? K * OUT_BLOCK / 2 : K * OUT_BLOCK;
     const int64_t block_scales = (K / G) * OUT_BLOCK;
@@ -364,8 +376,9 @@ void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t 
         const uint8_t *c = codes + nb * block_bytes;
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
             const int mb = (int)(M - m0 < ROWS_PER_PASS ? M - m0 : ROWS_PER_PASS);
-            ROW_TILES(mb, layout, chain, c, base, s + nb * block_scales, o ? o + nb * block_scales : 0, q, a, b, sums, y,
-                      m0, K, G, N, nb * OUT_BLOCK)
+            const char *sc = (const char *)s + nb * block_scales * (half ? 2 : 4);
+            ROW_TILES(mb, layout, chain, c, base, sc, half, o ? o + nb * block_scales : 0, q, a, b, sums, y, m0, K, G,
+                      N, nb * OUT_BLOCK)
         }
     }
 }

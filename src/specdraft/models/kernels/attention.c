@@ -22,6 +22,7 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "simd.h"
@@ -176,6 +177,19 @@ static void chunk_partials(const float *const *qs, const uint8_t *const *vis, co
     }
 }
 
+/* Keys of a chunk of n some query sees (vis[q] NULL: all of them): the ones chunk_partials reads. */
+static int64_t seen_keys(const uint8_t *const *vis, int nq, int64_t n) {
+    int64_t seen = 0;
+    for (int64_t j = 0; j < n; j++) {
+        int any = 0;
+        for (int q = 0; q < nq; q++) any |= !vis[q] || vis[q][j];
+        seen += any;
+    }
+    return seen;
+}
+
+#define TASK_COST 8 /* a task's work beside its keys (the mask scan, the softmax's loops), in keys */
+
 /* Floats of `work` attend_rows needs: the chunks' partial results and each task's scores (a
  * task's query block may run past the last query: QUERY_BLOCK - 1 more rows of scores per head). */
 int64_t attend_work(int64_t B, int64_t H, int64_t T, int64_t S, int64_t D) {
@@ -199,20 +213,33 @@ void attend_rows(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_st,
                   blocks = (queries + QUERY_BLOCK - 1) / QUERY_BLOCK, tasks = B * Hkv * chunks * blocks;
     float *parts = work, *scores = work + B * H * T * chunks * (D + 2); /* parts [B, H, T, chunks, D + 2] */
     const int parallel = tasks > 1 && B * H * T * S * D >= (1 << 17); /* below that, waking threads costs more */
-    /* Each thread takes a run of tasks holding about its share of the keys, not of the tasks: the
-     * last chunk is short, and over 300 keys an even split of 3 tasks gave one thread 256 keys'
-     * work and the other 44. Which thread does a task changes nothing in it, so no bit. */
-    const int64_t total = B * Hkv * blocks * S; /* keys summed over all tasks */
+    /* A task's work is the keys its queries see (chunk_partials skips the rest), and each thread
+     * takes a run of tasks holding about its share of that work, not of the tasks: over 300 keys
+     * the last chunk holds 44, and an even split of 3 tasks gave one thread 256 keys' work and
+     * the other 44; over 1000 keys a sliding layer's 512 visible ones lie in its last chunks.
+     * Which thread runs a task changes nothing in it, so no bit. */
+    int64_t *cost = parallel ? malloc(tasks * sizeof *cost) : NULL, total = 0;
+    for (int64_t task = 0; cost && task < tasks; task++) {
+        const int64_t qb = task % blocks, c = (task / blocks) % chunks, b = task / (blocks * chunks * Hkv);
+        const int64_t j0 = c * CHUNK, n = S - j0 < CHUNK ? S - j0 : CHUNK;
+        const uint8_t *vis[QUERY_BLOCK];
+        int nq = 0;
+        for (int64_t u = qb * QUERY_BLOCK; u < queries && nq < QUERY_BLOCK; u++, nq++)
+            vis[nq] = mask ? mask + b * m_sb + (u / group) * m_st + j0 : 0;
+        cost[task] = TASK_COST + seen_keys(vis, nq, n);
+        total += cost[task];
+    }
 #pragma omp parallel num_threads(threads) if (parallel)
     {
         const int64_t nth = omp_get_num_threads(), me = omp_get_thread_num();
-        int64_t before = 0; /* keys of the tasks before this one */
+        int64_t before = 0; /* work of the tasks before this one */
         for (int64_t task = 0; task < tasks; task++) {
             const int64_t qb = task % blocks, c = (task / blocks) % chunks, hk = (task / (blocks * chunks)) % Hkv,
                           b = task / (blocks * chunks * Hkv);
             const int64_t j0 = c * CHUNK, n = S - j0 < CHUNK ? S - j0 : CHUNK;
-            const int64_t owner = (2 * before + n) * nth / (2 * total); /* whose share the task's middle is in */
-            before += n;
+            /* whose share the task's middle is in (no costs: one thread, or no memory for them) */
+            const int64_t owner = cost ? (2 * before + cost[task]) * nth / (2 * total) : task * nth / tasks;
+            before += cost ? cost[task] : 0;
             if (owner != me)
                 continue;
             const float *qs[QUERY_BLOCK];
@@ -229,6 +256,7 @@ void attend_rows(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_st,
                            scale, softcap, scores + task * QUERY_BLOCK * CHUNK, part);
         }
     }
+    free(cost);
     /* merge each row's chunks in key order */
 #pragma omp parallel for schedule(static) num_threads(threads) if (B * H * T * chunks * D >= (1 << 16))
     for (int64_t r = 0; r < B * H * T; r++) {

@@ -64,7 +64,7 @@ def test_replayed_decoding_predicts_the_engine_exactly_in_float32(gemma_tiny, tm
     # min_confidence None: the drafter's early stop, which the replay must then model as the engine runs it.
     drafter = MTPDrafter(d.net, d.target, d.sources, min_confidence=0.01)
     # A random drafter is never right, which would leave positions 2..K untested. Both paths call
-    # net.step; make its next state the input token's embedding, so the (tied) head drafts "the
+    # net.step (float32 nn.Linear weights: the one-call draft step does not take them); make its next state the input token's embedding, so the (tied) head drafts "the
     # same token again", which the tiny target's greedy loops accept.
     real_step = d.net.step
 
@@ -89,6 +89,7 @@ def test_replayed_decoding_predicts_the_engine_exactly_in_float32(gemma_tiny, tm
     if clustered:
         recall = r["engine_cluster_recall"]
         assert all(0 <= x <= 1 for x in recall[4] if x is not None)
+        assert max(x for x in recall[8] if x is not None) > 0  # recorded on every path, the C head's too
         # More kept clusters never lose the target's token.
         assert all(b >= a for a, b in zip(recall[4], recall[8]) if a is not None)
     else:

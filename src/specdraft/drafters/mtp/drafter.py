@@ -165,12 +165,12 @@ class MTPDrafter(Drafter):
             return None
         if self._slot_tensors is None:
             self._slot_tensors = head.slot_tensors()
-        scores = step.centroid_scores if step is not None else None
+        scores, bonus = (step.centroid_scores, step.copy_bonus) if step is not None else (None, None)
         scores = head.centroids(z) if scores is None else scores
-        bonus = None
-        if copies is not None:
-            bonus = step.copy_bonus if step is not None else None
-            bonus = self.net.copy_gate(z) if bonus is None else bonus
+        if copies is None:
+            bonus = None
+        elif bonus is None:
+            bonus = self.net.copy_gate(z)
         return draft_head(vec, table, scores, kept or head.top_k, head.clusters(), *self._slot_tensors,
                           copies, bonus, pick)
 

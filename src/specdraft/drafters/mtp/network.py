@@ -166,6 +166,7 @@ class MTPNetwork(nn.Module):
         self.copy_gate = CopyGate(cfg.hidden_size) if cfg.copy_gate else None
         self._stack = None  # a drafting round's blocks for decoder_layer.c: see _round_stack
         self._net = None  # (key, DraftNet or None, what it points into): see _draft_net
+        self._net_round = None  # (the round's contexts, the DraftNet checked for it)
 
     def step(self, token_embeds: torch.Tensor, state: torch.Tensor, contexts: list[LayerContext]
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +186,12 @@ class MTPNetwork(nn.Module):
         """An inference draft step for the current tokens [B] and states [B, H]: `step` on the
         target's embeddings, in one C call with the head's centroid scores and copy bonus where
         the kernels take every part (draft_step.c: the same bits, ~0.4 ms a step less)."""
-        net = self._draft_net(target, state)
+        if not kernels_apply(state):
+            net = None
+        else:  # its parts checked once a round (~30 us a check)
+            if self._net_round is None or self._net_round[0] is not contexts:
+                self._net_round = (contexts, self._draft_net(target, state))
+            net = self._net_round[1]
         stack = None if net is None else self._round_stack(state[:, None], contexts)
         if stack is None:
             z, state = self.step(target.embed(tokens[:, None]), state[:, None], contexts)

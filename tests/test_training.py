@@ -130,13 +130,19 @@ def test_eval_guard_refuses_spec_bench_prompt(tmp_path):
         load_prompt_set([only_bad], [SPEC_BENCH])
 
 
+PROMPT_SETS = Path(specdraft.training.__file__).parent / "prompt_sets"
+
+
 def test_shipped_assistant_tasks_are_clean_training_prompts() -> None:
-    """The assistant-style prompts written for drafter training (training/prompt_sets/assistant_tasks.jsonl):
-    each has a prompt and a category, none repeats, and none overlaps Spec-Bench."""
-    path = Path(specdraft.training.__file__).parent / "prompt_sets" / "assistant_tasks.jsonl"
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    prompts = [r["prompt"] for r in records]
-    assert len(records) >= 150 and all(r["category"] and r["prompt"].strip() for r in records)
+    """The assistant-style prompts written for drafter training (training/prompt_sets/*.jsonl):
+    each has a prompt and a category, none repeats within or across the sets, none overlaps Spec-Bench."""
+    paths = sorted(PROMPT_SETS.glob("*.jsonl"))
+    assert [p.name for p in paths] == ["assistant_tasks.jsonl", "assistant_tasks_detailed.jsonl"]
+    prompts = []
+    for path in paths:
+        records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        assert len(records) >= 150 and all(r["category"] and r["prompt"].strip() for r in records)
+        prompts += [r["prompt"] for r in records]
     assert len(set(prompts)) == len(prompts)
     if SPEC_BENCH.exists():
         kept, refused = EvalGuard([SPEC_BENCH]).filter(prompts)
@@ -275,6 +281,30 @@ def test_uncertain_anchors_are_drawn_where_the_target_was_unsure():
         assert low < sum(share) / len(share) < high, (where, sum(share) / len(share))
     # every anchor when there are no more than asked for
     assert pick_anchors(seq, 1000, rng, "uncertain") == list(range(prompt - 1, n - 2))
+
+
+def test_an_answer_window_keeps_each_answers_first_tokens_and_anchors_only_there():
+    import random
+
+    from specdraft.training.data import Sequence, answer_window
+    from specdraft.training.objective import pick_anchors
+
+    def seq(n: int, prompt: int, corpus: bool = False) -> Sequence:
+        t = torch.arange(n)
+        return Sequence(tokens=t, prompt_length=prompt, temperature=0.0, hidden=t[:, None].float(),
+                        keys={3: t[:, None].float()}, values={3: -t[:, None].float()},
+                        topk_ids=t[:, None].repeat(1, 2), topk_logp=torch.zeros(n, 2), corpus=corpus)
+
+    long, short, text = seq(200, 30, False), seq(40, 30, False), seq(300, 1, True)
+    assert answer_window([long, short, text], None) == [long, short, text]
+    cut = answer_window([long, short, text], 64)
+    assert [len(s.tokens) for s in cut] == [94, 40, 300]  # prompt + 64; shorter answers and corpus text whole
+    for s in cut:  # every field cut alike, still the same positions
+        n = len(s.tokens)
+        assert torch.equal(s.hidden[:, 0], s.tokens.float()) and torch.equal(s.topk_ids[:, 0], s.tokens)
+        assert s.keys[3].shape[0] == s.values[3].shape[0] == s.topk_logp.shape[0] == n
+    picked = pick_anchors(cut[0], 1000, random.Random(0))
+    assert picked == list(range(29, 92))  # anchors only inside the window
 
 
 def test_top_k_log_probs_are_the_log_softmax_top_k(tiny_target):

@@ -153,6 +153,7 @@ def test_default_heads_get_to_data_generation(capsys, smollm2_like, tmp_path, no
     (["--held-out", "-1"], "--held-out -1 must be >= 0"),
     (["--num-prompts", "0"], "--num-prompts 0 must be >= 1"),
     (["--answer-tokens", "4"], "--answer-tokens 4 leaves nothing to train --draft-tokens 4 on"),
+    (["--answer-window", "3"], "--answer-window 3 leaves nothing to train --draft-tokens 4 on"),
     (["--answer-tokens", "1000"], "--answer-tokens 1000 does not fit the target's 512-token context"),
     (["--intermediate", "0"], "--intermediate 0 must be >= 1"),
     (["--heads", "0"], "--heads 0 must be >= 1"),

@@ -106,6 +106,10 @@ def _register_train(sub) -> None:
                         "shipped for --model) instead of random ones; its shape is kept")
     p.add_argument("--held-out", type=int, default=48, help="held-out prompts for evaluation (default 48)")
     p.add_argument("--answer-tokens", type=int, default=160, help="tokens per target answer (default 160)")
+    p.add_argument("--answer-window", type=int, default=None, metavar="N",
+                   help="train and evaluate on the first N tokens of each recorded answer only (default: whole "
+                        "answers), e.g. 64 for short replies: later tokens of a small model's long answers "
+                        "repeat themselves and are drafted easily")
     p.add_argument("--draft-tokens", type=int, default=4, help="K: unrolled steps trained (default 4)")
     _add_shape_args(p)
     p.add_argument("--steps", type=int, default=2000, help="optimizer steps (default 2000)")
@@ -266,6 +270,9 @@ def _check_train_args(args) -> None:
         raise SpecdraftError(f"--answer-tokens {args.answer_tokens} leaves nothing to train --draft-tokens "
                              f"{args.draft_tokens} on: answers need at least K + 1 tokens (try --answer-tokens "
                              f"{max(160, args.draft_tokens + 1)})")
+    if args.answer_window is not None and args.answer_window <= args.draft_tokens:
+        raise SpecdraftError(f"--answer-window {args.answer_window} leaves nothing to train --draft-tokens "
+                             f"{args.draft_tokens} on: the window needs at least K + 1 tokens (try 64)")
     for flag, paths in (("--prompts", args.prompts), ("--corpus", args.corpus or []),
                         ("--synthetic-from", args.synthetic_from or []),
                         ("--exclude-eval", args.exclude_eval or [])):
@@ -394,7 +401,7 @@ def _describe(cfg) -> str:
 def run_train(args) -> int:
     from specdraft.drafters.mtp.checkpoint import kv_sources
     from specdraft.training.corpus import CorpusConfig, build_corpus_dataset
-    from specdraft.training.data import DataConfig, build_dataset, load_sequences
+    from specdraft.training.data import DataConfig, answer_window, build_dataset, load_sequences
     from specdraft.training.grow import grown_config
     from specdraft.training.prompts import load_prompt_set
     from specdraft.training.trainer import TrainConfig, Trainer, init_distributed
@@ -463,9 +470,10 @@ def run_train(args) -> int:
     if distributed:
         __import__("torch").distributed.barrier()
     train = load_sequences(sorted((args.out / "data" / "train").glob("shard-*.safetensors")))
-    train += _recorded_elsewhere(args.data_from)
+    train = answer_window(train + _recorded_elsewhere(args.data_from), args.answer_window)
     corpus_seqs = load_sequences(sorted((args.out / "data" / "corpus").glob("shard-*.safetensors"))) if corpus else []
-    held_seqs = load_sequences(sorted((args.out / "data" / "held_out").glob("shard-*.safetensors")))
+    held_seqs = answer_window(load_sequences(sorted((args.out / "data" / "held_out").glob("shard-*.safetensors"))),
+                              args.answer_window)
     data_seconds = time.time() - started
     cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, anchors_per_seq=args.anchors,
                       k_steps=args.draft_tokens, lr=args.lr, loss=args.loss, eval_every=args.eval_every,

@@ -211,6 +211,23 @@ class Sequence:
     corpus: bool = False
 
 
+def answer_window(seqs: list[Sequence], tokens: int | None) -> list[Sequence]:
+    """Each answer cut to its first `tokens` tokens (views, no copies; corpus text and None: as
+    is). A base model's long answers drift into repeating themselves, which drafts easily: on
+    held-out prompts the engine's greedy tau over 160 tokens read 3.03 against 2.57 over the
+    first 64. Training and evaluating on a window puts every anchor where replies begin."""
+    if tokens is None:
+        return seqs
+    out = []
+    for s in seqs:
+        end = len(s.tokens) if s.corpus else min(len(s.tokens), s.prompt_length + tokens)
+        out.append(Sequence(tokens=s.tokens[:end], prompt_length=s.prompt_length, temperature=s.temperature,
+                            hidden=s.hidden[:end], keys={k: v[:end] for k, v in s.keys.items()},
+                            values={k: v[:end] for k, v in s.values.items()}, topk_ids=s.topk_ids[:end],
+                            topk_logp=s.topk_logp[:end], corpus=s.corpus))
+    return out
+
+
 def load_sequences(shards: list[Path]) -> list[Sequence]:
     seqs = []
     for path in shards:

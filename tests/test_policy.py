@@ -649,3 +649,34 @@ def test_profile_cells_are_timed_in_turns_and_the_fastest_counts(monkeypatch):
     best = policy._fastest_each({"a": call("a"), "b": call("b")}, torch.device("cpu"), repeats=3)
     assert order == ["a", "b"] * 3
     assert best == {"a": 1.0, "b": 2.0}
+
+
+def test_lookup_positions_the_policy_stopped_asking_for_are_probed_again():
+    """A run of requests whose lookups fail at the 4th draft takes the engine's pool there below
+    break-even, so later requests ask 3 lookup drafts; those rounds judge nothing past the 3rd, so
+    without a drift back the pool never learnt the later positions again, whatever later text did
+    (a benchmark's last categories ran 3-draft lookups only). Unasked positions creep back to the
+    prior: not at once, but in the end, and what the probes see decides what follows."""
+    costs = FakeCosts(lambda n, w: 1.0 + 0.05 * (w - 1) + (0.6 if w > 4 else 0.0))
+
+    def requests(p, count: int, holds: int) -> list[int]:
+        """Widths of `count` requests of 64 rounds whose lookups hold for `holds` drafts."""
+        widths = []
+        for _ in range(count):
+            row = p.new_row("lookup")
+            for _ in range(64):
+                width = p.choose([row])
+                p.observe(row, "lookup", width, min(width, holds), requested=width)
+                widths.append(width)
+        return widths
+
+    for later_holds, keeps_wide in ((7, True), (3, False)):
+        p = policy_for(costs, k=3, width=7)
+        for _ in range(100):  # translations: copies that break after 3 drafts
+            p.observe(p.new_row("lookup"), "lookup", 7, 3, requested=7)
+        assert p.choose([p.new_row("lookup")]) == 3
+        widths = requests(p, 40, later_holds)
+        assert 7 in widths, "positions past the 3rd were never asked for again"
+        assert widths.index(7) > 30, "probed again too soon"
+        last = widths[-20 * 64:]
+        assert (last.count(7) / len(last) > 0.8) == keeps_wide

@@ -82,7 +82,8 @@ POOL_RATE = 0.05  # the same for the engine-wide estimate a new request starts f
 # left every later sampled request plain for good (Spec-Bench at temperature 1, 10 prompts a
 # category: `auto` ran plain from the 90th prompt on, tau 1.06-1.11 where fixed `mtp` had
 # 1.48-1.71). With this a pool below break-even is probed again after a few hundred plain rounds,
-# and one probe's chances pull it back as far as they say.
+# and one probe's chances pull it back as far as they say. The same creep applies, for any row, to
+# the positions past what a drafting round asked for (AdaptivePolicy._relax_unasked).
 POOL_RELAX = 0.002
 MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (estimates are noisy)
 # The same for rounds of several rows: there a round's host work (drafter bookkeeping, copy
@@ -349,6 +350,27 @@ class AdaptivePolicy(DraftPolicy):
                 hit = 1.0 if j < accepted else 0.0
             rates[j] += rate * (hit - rates[j])
             pooled[j] += POOL_RATE * (hit - pooled[j])
+        if requested is not None:
+            self._relax_unasked(state, source, min(requested, self.cap(source)))
+
+    def _relax_unasked(self, state: RowAcceptance, source: str, asked: int) -> None:
+        """Positions past the `asked` drafts of a drafting round got no evidence: they drift back
+        towards the prior as in a plain round, the row's at its relax rate and the engine's pool at
+        POOL_RELAX. Without this a policy that stopped asking for them never learnt them again: a
+        run of translations (whose lookups fail past the third draft) took the pool below break-even
+        there, and every later request of a 480-question benchmark was held to 3 lookup drafts
+        (BENCHMARKS.md, fortieth session)."""
+        relax = self._learning(state, source)[1]
+        rates, target = self._rates(state, source), self._relax_target(state, source)
+        pooled, prior = self._start(source, state.sampled), self._priors(source, self.cap(source))
+        for j in range(asked, len(rates)):
+            rates[j] += relax * (target[j] - rates[j])
+            pooled[j] += POOL_RELAX * (prior[j] - pooled[j])
+        for after in (False, True):
+            cont, pool = self._continues(state, source, after), self._start_continues(source, after)
+            for i in range(max(asked - 1, 0), len(cont)):
+                cont[i] += relax * (1.0 - cont[i])
+                pool[i] += POOL_RELAX * (1.0 - pool[i])
 
     def _learning(self, state: RowAcceptance, source: str) -> tuple[float, float]:
         """(learning rate, relax per plain round) for this row's estimates of `source`."""

@@ -350,14 +350,14 @@ class AdaptivePolicy(DraftPolicy):
                 hit = 1.0 if j < accepted else 0.0
             rates[j] += rate * (hit - rates[j])
             pooled[j] += POOL_RATE * (hit - pooled[j])
-        if requested is not None:
-            self._relax_unasked(state, source, min(requested, self.cap(source)))
+        if requested is not None and requested < self.cap(source):  # else every position was asked
+            self._relax_unasked(state, source, requested)
 
     def _relax_unasked(self, state: RowAcceptance, source: str, asked: int) -> None:
         """Positions past the `asked` drafts of a drafting round got no evidence: they drift back
         towards the prior as in a plain round, the row's at its relax rate and the engine's pool at
         POOL_RELAX. Without this a policy that stopped asking for them never learnt them again: a
-        run of translations (whose lookups fail past the third draft) took the pool below break-even
+        run of translations (whose lookups likely break after a few drafts) took the pool below break-even
         there, and every later request of a 480-question benchmark was held to 3 lookup drafts
         (BENCHMARKS.md, fortieth session)."""
         relax = self._learning(state, source)[1]

@@ -680,3 +680,22 @@ def test_lookup_positions_the_policy_stopped_asking_for_are_probed_again():
         assert widths.index(7) > 30, "probed again too soon"
         last = widths[-20 * 64:]
         assert (last.count(7) / len(last) > 0.8) == keeps_wide
+
+
+def test_drafter_positions_the_policy_stopped_asking_for_are_probed_again():
+    """The same lock-out for the MTP drafter: after requests whose second draft always failed the
+    policy asks one draft a round, which judges nothing past the first; when later text lets the
+    drafter's drafts hold, the unasked positions drift back until they are probed and learnt."""
+    costs = FakeCosts(lambda n, w: 1.0 + 0.05 * (w - 1), lambda n, s: 0.12 * s)
+    for holds, full_rounds in ((3, True), (1, False)):
+        p = policy_for(costs, k=3)
+        for _ in range(100):
+            p.observe(p.new_row("mtp"), "mtp", 3, 1, requested=3)
+        assert p.choose([p.new_row("mtp")]) == 1
+        widths = []
+        for _ in range(10):
+            row = p.new_row("mtp")
+            for _ in range(64):
+                widths.append(p.choose([row]))
+                p.observe(row, "mtp", widths[-1], min(widths[-1], holds), requested=widths[-1])
+        assert (widths[-64:].count(3) == 64) == full_rounds, widths[-64:]

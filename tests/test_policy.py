@@ -386,6 +386,47 @@ def test_cost_cache_ignores_a_file_with_another_key(gemma_tiny, tmp_path):
     assert reread.profiled > 0 and reread.target[1][1] != 9.0
 
 
+def test_a_table_timed_under_load_is_measured_again(gemma_tiny, tmp_path, monkeypatch):
+    """A stored table is checked once per process: its one-row forwards are timed again, and a cell
+    that now runs well under its stored time (the table was measured on a busy machine) has the
+    whole table measured afresh; a table no faster now is kept, cells too short to judge are not
+    judged, and a second engine in the process does not check again."""
+    from specdraft.speculative import policy
+
+    model, drafter = gemma_tiny.ours, NgramDrafter()
+    key = cost_key("tiny", "folder", "dtype", "float32", torch.device("cpu"))
+    first = MeasuredCosts(key, tmp_path)
+    first.ensure(model, drafter, 1, 2, 2)
+    honest = json.loads(first.path.read_text())
+
+    def reload(scale: dict[int, float]) -> MeasuredCosts:
+        data = json.loads(json.dumps(honest))
+        for w, f in scale.items():
+            data["target"]["1"][str(w)] *= f
+        first.path.write_text(json.dumps(data))
+        policy._RECHECKED.discard(first.path)  # a new process
+        costs = MeasuredCosts(key, tmp_path)
+        costs.ensure(model, drafter, 1, 2, 2)
+        return costs
+
+    slowed = reload({2: 1000.0})  # one cell timed while something else ran
+    assert slowed.profiled > 0 and slowed.target[1][2] < 100.0 * honest["target"]["1"]["2"]
+    monkeypatch.setattr(policy, "RECHECK_FLOOR", 0.0)
+    faster = reload({1: 0.1, 2: 0.1, 3: 0.1})  # a table reading faster than now: kept
+    assert faster.profiled == 0 and faster.target[1][1] == 0.1 * honest["target"]["1"]["1"]
+    monkeypatch.setattr(policy, "RECHECK_FLOOR", 1e9)
+    unjudged = reload({2: 1000.0})  # every cell under the floor: not judged
+    assert unjudged.profiled == 0
+
+    monkeypatch.setattr(policy, "RECHECK_FLOOR", 0.0)
+    checks = []
+    monkeypatch.setattr(MeasuredCosts, "timed_under_load", lambda self, model: checks.append(1) or False)
+    policy._RECHECKED.discard(first.path)
+    for _ in range(2):
+        MeasuredCosts(key, tmp_path).ensure(model, drafter, 1, 2, 2)
+    assert len(checks) == 1
+
+
 def test_runtime_builds_the_policy(tmp_path, monkeypatch):
     """Runtime: adaptive by default, cached under $SPECDRAFT_CACHE/costs; fixed = the engine's own."""
     from specdraft.runtime import Runtime

@@ -16,19 +16,19 @@ import torch.nn.functional as F
 from conftest import TinyModel, assert_fp32_close, prompts_of, reduction_depth
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.loading import load_folder
-from specdraft.models import decoder
+from specdraft.models.architectures import decoder
 from specdraft.models.kernels import build
 from specdraft.models.kernels.build import applies
 from specdraft.models.kernels.decoder_layer import decoder_layer, decoder_stack
-from specdraft.models.quant import compact_weights
+from specdraft.models.formats.quant import compact_weights
 from specdraft.models.kernels.argmax import argmax_last
 from specdraft.models.kernels.attention import attend_short
 from specdraft.models.kernels.gated_act import gated_act
 from specdraft.models.kernels.qk_rope import qk_rope_write
 from specdraft.models.kernels.sample_rows import draw_tokens
 from specdraft.models.kernels.rms_norm import residual_norms, rms_norm
-from specdraft.models.layers import ACTIVATIONS, RMSNorm, _attend_short
-from specdraft.models.rope import RopeTable, apply_rope
+from specdraft.models.architectures.layers import ACTIVATIONS, RMSNorm, _attend_short
+from specdraft.models.architectures.rope import RopeTable, apply_rope
 from specdraft.config import RopeParams
 from specdraft.sampling import sample
 from specdraft.speculative.engine import Engine
@@ -292,7 +292,7 @@ def one_call_bits_equal_per_op(model, prompt: list[int], monkeypatch, steps: int
 def test_layer_stack_follows_replaced_and_rewritten_weights(gemma_tiny: TinyModel) -> None:
     """The kept LayerWeights are rebuilt when a projection is replaced or a norm written in place
     (the Snapshot): the stack then computes what a fresh model with those weights computes."""
-    from specdraft.models.quant import Fp16Linear
+    from specdraft.models.formats.quant import Fp16Linear
 
     model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
     compact_weights(model, "fp16")
@@ -366,7 +366,7 @@ def test_long_queries_attend_in_blocks_over_only_the_keys_they_see(window, monke
     """A prompt's attention goes in blocks of queries, each over the keys its mask opens (causal,
     sliding windows, ragged rows): the same values as one call over every key, fewer keys read."""
     from specdraft.kv_cache import attention_span
-    from specdraft.models import layers
+    from specdraft.models.architectures import layers
 
     gen = torch.Generator().manual_seed(0)
     b, h, hkv, d, cached, t = 2, 4, 2, 16, 7, 200  # 7 keys already cached, then a 200-token forward

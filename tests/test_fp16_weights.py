@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from conftest import TinyModel
-from specdraft.device import fp16_kernel_available
+from specdraft.models.formats.fp16_kernel import fp16_kernel_available
 from specdraft.loading import load_folder
-from specdraft.models.fp16_kernel import PROBE_ROWS, fp16_mm, prepack_fp16, row_invariant, row_padding
+from specdraft.models.formats.fp16_kernel import PROBE_ROWS, fp16_mm, prepack_fp16, row_invariant, row_padding
 from specdraft.drafters.mtp import network
 from specdraft.drafters.mtp.drafter import layer_contexts
 from specdraft.models.kernels.decoder_layer import decoder_stack
 from specdraft.models.kernels import build as kernels
-from specdraft.models.quant import Fp16Linear, compact_weights
-from specdraft.models.screened_head import ScreenedHead, screen_head
+from specdraft.models.formats.quant import Fp16Linear, compact_weights
+from specdraft.models.formats.screened_head import ScreenedHead, screen_head
 from specdraft.speculative.engine import Engine
 from test_quant import repetitive_prompts, speculative_equals_plain
 

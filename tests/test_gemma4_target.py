@@ -30,7 +30,7 @@ from specdraft.config import FULL, SLIDING, ConfigError  # noqa: E402
 from specdraft.drafters.mtp.source import kv_source  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 from specdraft.loading import load_folder  # noqa: E402
-from specdraft.models.hf_config import read_model_config  # noqa: E402
+from specdraft.models.architectures.hf_config import read_model_config  # noqa: E402
 from specdraft.speculative.engine import Engine  # noqa: E402
 
 CONFIGS = {

@@ -18,9 +18,9 @@ import torch.nn.functional as F
 from conftest import build_hf, prompts_of
 from test_quant import repetitive_prompts, speculative_equals_plain
 from specdraft.loading.gguf_blocks import SUPPORTED_BLOCK_FORMATS, decode_blocks
-from specdraft.models import block_linear
+from specdraft.models.formats import block_linear
 from specdraft.kv_cache import SHORT_FORWARD
-from specdraft.models.block_linear import Blocks, stack_blocks
+from specdraft.models.formats.block_linear import Blocks, stack_blocks
 
 kernel = pytest.mark.skipif(not block_linear.kernel_available(), reason="no AVX2 CPU or no C compiler here")
 
@@ -193,7 +193,7 @@ def near_tie_q8_table(hidden: torch.Tensor, seed: int) -> tuple[Blocks, list[int
 @kernel
 @pytest.mark.parametrize("k", [256, 224])  # 8 groups of 32, and an odd 7 (the VNNI loop's last group alone)
 def test_int8_screen_is_within_its_bound_and_the_head_stays_exact(k: int, isa: str) -> None:
-    from specdraft.models.screened_head import ScreenedHead
+    from specdraft.models.formats.screened_head import ScreenedHead
 
     gen = torch.Generator().manual_seed(12)
     hidden = torch.randn(40, k, generator=gen) * (0.1 + torch.rand(40, 1, generator=gen) * 5)
@@ -220,7 +220,7 @@ def test_int8_screen_is_within_its_bound_and_the_head_stays_exact(k: int, isa: s
 def test_int8_screen_of_an_fp16_table_is_exact() -> None:
     """--weights fp16: the head quantises its fp16 table to int8 blocks at load and bounds both
     the table's and the rows' quantisation."""
-    from specdraft.models.screened_head import ScreenedHead
+    from specdraft.models.formats.screened_head import ScreenedHead
 
     gen = torch.Generator().manual_seed(13)
     hidden = torch.randn(40, 256, generator=gen) * (0.1 + torch.rand(40, 1, generator=gen) * 5)

@@ -1,10 +1,10 @@
-"""Large tables in 2 MB pages (models/huge_pages.py): aligned, the same values, small ones plain."""
+"""Large tables in 2 MB pages (models/formats/huge_pages.py): aligned, the same values, small ones plain."""
 
 from __future__ import annotations
 
 import torch
 
-from specdraft.models.huge_pages import HUGE_PAGE, _madvise, empty_huge, huge_copy
+from specdraft.models.formats.huge_pages import HUGE_PAGE, _madvise, empty_huge, huge_copy
 
 
 def test_a_large_table_starts_on_a_huge_page_and_keeps_its_values() -> None:

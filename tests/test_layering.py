@@ -1,5 +1,5 @@
-"""The package's import graph: no cycles, arrows only point down the layers of
-../shared/design/layout.md, and every module imports on its own.
+"""The package's import graph: no cycles, arrows only point down the layers below, and every
+module imports on its own.
 
 The graph counts every `import` naming a specdraft module, at module level and inside
 functions alike (a lazy import that closes a circle is still a circle, just a later-failing
@@ -17,15 +17,22 @@ import specdraft
 
 ROOT = Path(specdraft.__file__).parent
 SKIP_IMPORT = {"specdraft.__main__"}  # running it is the CLI itself
-# layout.md, top to bottom; a module may import its own layer and those below. Modules directly
-# under specdraft/ (config, tokenizer, sampling, kv_cache, errors...) are the ground floor, 0.
+# Top to bottom; a module may import its own layer and those below. Modules directly under
+# specdraft/ (config, tokenizer, sampling, kv_cache, errors...) are the ground floor, 0. Inside
+# models/, kernels know nothing of weight formats, and formats nothing of architectures.
 LAYER = {"cli": 6, "serve": 6, "bench": 5, "training": 5, "runtime": 4, "speculative": 3, "drafters": 2,
-         "loading": 1.5, "models": 1}
+         "loading": 1.5, "models": 1.4, "models.architectures": 1.3, "models.formats": 1.2,
+         "models.kernels": 1.1}
 
 
 def layer(module: str) -> float:
-    parts = module.split(".")
-    return LAYER.get(parts[1], 0) if len(parts) > 1 else 0
+    """The layer of the longest LAYER key that `module` lies in (specdraft.models.formats.quant:
+    models.formats)."""
+    parts = module.split(".")[1:]
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in LAYER:
+            return LAYER[".".join(parts[:n])]
+    return 0
 
 
 def module_names() -> dict[str, Path]:
@@ -81,6 +88,13 @@ def test_imports_point_down() -> None:
     up = [f"{name} -> {dep}" for name, path in modules.items() if name not in SKIP_IMPORT
           for dep in sorted(imports_of(path, set(modules))) if layer(dep) > layer(name)]
     assert up == []
+
+
+def test_layers_inside_a_package_count() -> None:
+    assert layer("specdraft.models.kernels.build") < layer("specdraft.models.formats.quant")
+    assert layer("specdraft.models.formats.quant") < layer("specdraft.models.architectures.gemma4")
+    assert layer("specdraft.models.architectures.gemma4") < layer("specdraft.models.compile")
+    assert layer("specdraft.kv_cache") == 0 and layer("specdraft.cli.main") == 6
 
 
 def test_the_cycle_finder_finds_one() -> None:

@@ -312,7 +312,7 @@ def test_cost_tables_do_not_move_between_cpus_sharing_a_name():
 
 
 def test_head_is_timed_on_the_rows_the_model_is_surest_about(gemma_tiny):
-    """The exact greedy head costs more on near-ties (models/screened_head.py), which real decoding
+    """The exact greedy head costs more on near-ties (models/formats/screened_head.py), which real decoding
     rarely meets: its cost is timed on the rows with the widest gap between their two best scores,
     in that order, repeated past the rows there are."""
     model = gemma_tiny.ours

@@ -16,10 +16,10 @@ import torch
 from conftest import prompts_of
 from test_gguf_weights import write_quantised_gguf
 from test_quant import repetitive_prompts, speculative_equals_plain
-from specdraft.models import q8_act_linear
+from specdraft.models.formats import q8_act_linear
 from specdraft.models.kernels import build
-from specdraft.models.block_linear import Blocks
-from specdraft.models.q8_act_linear import Q8ActLinear
+from specdraft.models.formats.block_linear import Blocks
+from specdraft.models.formats.q8_act_linear import Q8ActLinear
 
 kernel = pytest.mark.skipif(not q8_act_linear.kernel_available(), reason="no AVX2 CPU or no C compiler here")
 
@@ -193,7 +193,7 @@ def test_gguf_q8_is_refused_clearly_without_the_kernel(tmp_path: Path, monkeypat
 
 
 def test_int8_blocks_round_each_weight_to_the_nearest_code() -> None:
-    from specdraft.models.q8_act_linear import int8_blocks
+    from specdraft.models.formats.q8_act_linear import int8_blocks
 
     w = torch.randn(16, 96, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.01, 2.0, 96)
     w[3, 32:64] = 0.0  # an all-zero group: scale 0, codes 0

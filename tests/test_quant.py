@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from conftest import TinyModel, prompts_of
-from specdraft.device import fp16_kernel_available, resolve_dtype, resolve_prefill_dtype, resolve_weights
+from specdraft.models.formats.choice import resolve_dtype, resolve_prefill_dtype, resolve_weights
+from specdraft.models.formats.fp16_kernel import fp16_kernel_available
 from specdraft.drafters.ngram import NgramDrafter
 from specdraft.errors import SpecdraftError
 from specdraft.loading import load_folder
-from specdraft.models.quant import PACKED_MAX_ROWS, Int4Linear, Int8Head, Int8Linear, compact_linear, compact_weights
+from specdraft.models.formats.quant import PACKED_MAX_ROWS, Int4Linear, Int8Head, Int8Linear, compact_linear, compact_weights
 from specdraft.speculative.engine import Engine
 
 BF16 = torch.bfloat16
@@ -89,7 +90,7 @@ def test_weights_choice_is_checked() -> None:
 @pytest.mark.parametrize("bf16_units", [True, False])
 def test_prefill_dtype_choice(monkeypatch, bf16_units: bool) -> None:
     """Prompts in bf16 only with gguf weights, on bf16 units, where --dtype auto chose float32."""
-    monkeypatch.setattr("specdraft.device.cpu_has_bf16_units", lambda: bf16_units)
+    monkeypatch.setattr("specdraft.models.formats.choice.cpu_has_bf16_units", lambda: bf16_units)
     assert resolve_prefill_dtype("auto", "gguf", dtype_chosen=True) == (BF16 if bf16_units else torch.float32)
     assert resolve_prefill_dtype("auto", "gguf", dtype_chosen=False) == torch.float32  # float32 asked for
     assert resolve_prefill_dtype("float32", "gguf", dtype_chosen=True) == torch.float32
@@ -104,7 +105,7 @@ def test_prefill_dtype_choice(monkeypatch, bf16_units: bool) -> None:
 @pytest.mark.parametrize("bf16_units", [True, False])
 def test_auto_dtype_is_float32_where_the_weights_run_float32_kernels(monkeypatch, bf16_units: bool) -> None:
     """A model with GGUF blocks the C kernels read gets float32 + gguf on any CPU, bf16 units or not."""
-    monkeypatch.setattr("specdraft.device.cpu_has_bf16_units", lambda: bf16_units)
+    monkeypatch.setattr("specdraft.models.formats.choice.cpu_has_bf16_units", lambda: bf16_units)
     cpu, default = torch.device("cpu"), BF16 if bf16_units else torch.float32
     assert resolve_dtype("auto", cpu) == default
     assert resolve_dtype("auto", cpu, "int8") == default
@@ -212,7 +213,7 @@ def test_int8_head_without_a_compiler_falls_back_to_the_packed_kernel(gemma_tiny
     """No C++ compiler for Inductor: the head takes torch's packed kernel for every call (one
     kernel for all widths keeps speculation exact) and the user is told, no stack trace."""
     from specdraft import runtime
-    from specdraft.models import int8_head
+    from specdraft.models.formats import int8_head
 
     model = packed_tiny(gemma_tiny, "int8")
 

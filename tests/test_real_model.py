@@ -93,7 +93,7 @@ def test_greedy_32_tokens_identical_to_transformers_generate(rt: Runtime, hf) ->
 @pytest.fixture(scope="module")
 def packed() -> Runtime:
     """The preset with --weights gguf in float32 (float32 prompts too: --dtype float32 asked for)."""
-    from specdraft.models.block_linear import kernel_available
+    from specdraft.models.formats.block_linear import kernel_available
 
     if not kernel_available():
         pytest.skip("no AVX2 CPU or no C compiler here")
@@ -104,7 +104,7 @@ def test_gguf_weights_decode_as_the_float32_model(rt: Runtime, packed: Runtime) 
     """--weights gguf keeps the preset's Q4_K/Q5_0/Q6_K/Q8_0 blocks: every matrix rebuilds the float32
     weights bit for bit (or loading would say which did not), logits agree up to the order of a
     float32 sum, and speculative output equals plain output (the kernel is row-invariant)."""
-    from specdraft.models.block_linear import BlockLinear
+    from specdraft.models.formats.block_linear import BlockLinear
 
     assert packed.notes == [] and isinstance(packed.model.packed_head, BlockLinear)
     assert packed.prefill_dtype == torch.float32
@@ -124,7 +124,7 @@ def test_bf16_prompts_stay_close_to_float32_prompts(packed: Runtime) -> None:
     prompt's next-token distributions against float32 prompts. bf16 keeps 8 bits of each weight
     and activation (relative error 2^-9); measured on held-out text: KL 6e-4 a position, top-1
     equal at 97.5% of positions (BENCHMARKS.md). Asserted with room: KL < 3e-3, top-1 >= 90%."""
-    from specdraft.models.block_linear import use_prompt_dtype
+    from specdraft.models.formats.block_linear import use_prompt_dtype
 
     ids = packed.tokenizer.encode(" ".join(PROMPTS * 8))[:200]
     exact = ours_logits(packed, ids).log_softmax(-1)

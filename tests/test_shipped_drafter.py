@@ -64,7 +64,7 @@ def default_runtime_and_plain() -> tuple[Runtime, list[list[int]], list]:
     """The default runtime, the test's prompts and their plain greedy outputs (computed once)."""
     if not _DEFAULT:
         rt = Runtime.load("gemma3-270m", "auto", "cpu", progress=False)
-        from specdraft.models import q8_act_linear
+        from specdraft.models.formats import q8_act_linear
         from specdraft.models.kernels import build
 
         # the preset comes from a GGUF file: its blocks, with int8 rows where the CPU has AVX-512 VNNI

@@ -181,8 +181,8 @@ def test_seeded_sampling_is_the_same_alone_and_in_company(gemma_tiny, prompts, m
 
 def count_head_passes(monkeypatch) -> list[int]:
     """Rows per pass over the head's table (every greedy, logits or mixed call goes through
-    models.target.head_scores when there is no screened head), appended as they happen."""
-    from specdraft.models import target
+    models.architectures.target.head_scores when there is no screened head), appended as they happen."""
+    from specdraft.models.architectures import target
 
     scored, inner = [], target.head_scores
 

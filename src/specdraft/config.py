@@ -2,8 +2,8 @@
 
 Checkpoints spell the same idea several ways (`rope_theta` + `rope_scaling` in older files,
 `rope_parameters` per layer type in newer ones, Gemma's `rope_local_base_freq`, Qwen's
-`use_sliding_window`...). Each family's parser (`models/hf_config.py` for the Llama family
-and Gemma 3, `models/gemma4_config.py` for Gemma 4) turns them into one set of fields, with
+`use_sliding_window`...). Each family's parser (`models/architectures/hf_config.py` for the Llama family
+and Gemma 3, `models/architectures/gemma4_config.py` for Gemma 4) turns them into one set of fields, with
 the shared helpers below, so the model code never has to look at a raw dict.
 """
 

@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 
 from specdraft.config import ModelConfig
-from specdraft.device import (dtype_name, release_free_memory, resolve_device, resolve_dtype, resolve_prefill_dtype,
-                              resolve_weights)
+from specdraft.device import dtype_name, release_free_memory, resolve_device
+from specdraft.models.formats.choice import resolve_dtype, resolve_prefill_dtype, resolve_weights
 from specdraft.loading import load_folder, resolve_model
-from specdraft.models import int8_head, q8_act_linear
-from specdraft.models.block_linear import use_prompt_dtype
+from specdraft.models.formats import int8_head, q8_act_linear
+from specdraft.models.formats.block_linear import use_prompt_dtype
 from specdraft.models.compile import compile_steps
-from specdraft.models.quant import INT8_PACK_MULTIPLE, Int8Head, compact_weights
-from specdraft.models.screened_head import screen_head
+from specdraft.models.formats.quant import INT8_PACK_MULTIPLE, Int8Head, compact_weights
+from specdraft.models.formats.screened_head import screen_head
 from specdraft.tokenizer import Tokenizer
 
 
@@ -73,10 +73,10 @@ class Runtime:
     @classmethod
     def load(cls, name_or_path: str, dtype: str = "auto", device: str = "auto", progress: bool = True,
              weights: str = "auto", compile: bool = False, prefill_dtype: str = "auto") -> "Runtime":
-        """Load a target. weights: auto | dtype | int8 | int4 | fp16 | gguf | gguf-q8 (device.resolve_weights);
+        """Load a target. weights: auto | dtype | int8 | int4 | fp16 | gguf | gguf-q8 (models.formats.choice.resolve_weights);
         compile: route decode/verify forwards through a torch.compile'd step (models/compile.py);
         prefill_dtype: auto | float32 | bfloat16, prompts' arithmetic with gguf weights
-        (device.resolve_prefill_dtype)."""
+        (models.formats.choice.resolve_prefill_dtype)."""
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev, weights)
         fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto")  # bad flags fail before any work

@@ -51,8 +51,8 @@ class BenchConfig:
     dtype: str = "auto"
     device: str = "auto"
     threads: int | None = None  # CPU threads for torch and llama.cpp alike; None = the physical cores
-    weights: str = "auto"  # device.resolve_weights
-    prefill_dtype: str = "auto"  # device.resolve_prefill_dtype
+    weights: str = "auto"  # models.formats.choice.resolve_weights
+    prefill_dtype: str = "auto"  # models.formats.choice.resolve_prefill_dtype
     compile: bool = False  # models/compile.py
     out: Path = Path("bench-out")
     warmup: bool = True

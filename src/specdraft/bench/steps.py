@@ -28,7 +28,7 @@ class StepTime:
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes a decode step reads: every weight and packed buffer except the input embedding table
     (one row is gathered per token), whose bytes count again when the LM head is tied to it, and
-    copies only prompts read (bf16 prompt weights, models/block_linear.py)."""
+    copies only prompts read (bf16 prompt weights, models/formats/block_linear.py)."""
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     embed = model.embed_tokens.weight
     total = sum(t.numel() * t.element_size() for i, t in tensors.items() if i != id(embed))

@@ -99,7 +99,7 @@ prompt format: the model's chat template when it has one, else the plain templat
 
 def run(args) -> int:
     from specdraft.bench import ALL_METHODS, DRAFTER_METHODS, SPECDRAFT_METHODS, method_weights, split_method
-    from specdraft.device import WEIGHT_CHOICES
+    from specdraft.models.formats.choice import WEIGHT_CHOICES
     from specdraft.bench.runner import BenchConfig, rebuild_report, run_bench
 
     if args.report_from is not None:

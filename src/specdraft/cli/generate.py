@@ -24,7 +24,7 @@ EXACTNESS = ("Greedy text is identical with and without a drafter, token for tok
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--dtype/--device, shared by every subcommand that loads a target."""
-    from specdraft.device import WEIGHT_CHOICES
+    from specdraft.models.formats.choice import WEIGHT_CHOICES
     from specdraft.loading.presets import DEFAULT_MODEL
 
     p.add_argument("--model", default=DEFAULT_MODEL,

@@ -11,7 +11,7 @@ from specdraft.config import ModelConfig
 from specdraft.errors import SpecdraftError
 from specdraft.loading.presets import DEFAULT_MODEL, PRESETS, resolve_model
 from specdraft.loading.weights import assign_weights, read_safetensors, safetensors_files, text_decoder_weights
-from specdraft.models.hf_config import read_model_config
+from specdraft.models.architectures.hf_config import read_model_config
 
 
 def read_config(folder: Path) -> dict:
@@ -26,10 +26,10 @@ def read_config(folder: Path) -> dict:
 
 def build_model(cfg: ModelConfig) -> torch.nn.Module:
     if cfg.family == "gemma4":
-        from specdraft.models.gemma4 import Gemma4Transformer
+        from specdraft.models.architectures.gemma4 import Gemma4Transformer
 
         return Gemma4Transformer(cfg)
-    from specdraft.models.decoder import Transformer
+    from specdraft.models.architectures.decoder import Transformer
 
     return Transformer(cfg)
 

@@ -5,7 +5,7 @@ llama.cpp's block formats all dequantise the same way: a weight is fl(fl(s * c) 
 for a small integer code c and a group's scale s and offset o (o = 0 where the format has none).
 `convert_gguf` wrote exactly these numbers into the float32 checkpoint; keeping c, s and o lets a
 kernel read about a quarter of the bytes and still multiply by the float32 model's own weights
-(models/block_linear.py, which defines `Blocks`). Each decoder below follows the layout of one format; `Blocks.dequantized`
+(models/formats/block_linear.py, which defines `Blocks`). Each decoder below follows the layout of one format; `Blocks.dequantized`
 is checked against the checkpoint when the weights are packed, so a mistake here cannot pass
 silently.
 """
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.block_linear import Blocks
+from specdraft.models.formats.block_linear import Blocks
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:

@@ -21,7 +21,7 @@ from specdraft.errors import SpecdraftError
 from specdraft.loading.gguf_blocks import BLOCKS_FILE, SUPPORTED_BLOCK_FORMATS, decode_blocks, save_blocks
 from specdraft.loading.gguf_reader import GGUFFile
 from specdraft.loading.weights import text_decoder_weights
-from specdraft.models.block_linear import Blocks
+from specdraft.models.formats.block_linear import Blocks
 
 # GGUF block-local names -> HF names (inside "model.layers.{i}.").
 _LAYER_NAMES = {
@@ -128,7 +128,7 @@ def _llama3_rope_from_freqs(freq_factors: np.ndarray, cfg: dict[str, Any]) -> di
     """Llama 3.1+ GGUFs store per-frequency divisors (rope_freqs) instead of the parameters.
     Find the standard parameter set that reproduces them exactly, or refuse."""
     from specdraft.config import RopeParams
-    from specdraft.models.rope import inverse_frequencies
+    from specdraft.models.architectures.rope import inverse_frequencies
 
     base = cfg["rope_parameters"]
     for factor, orig in ((8.0, 8192), (32.0, 8192), (16.0, 8192)):

@@ -527,7 +527,7 @@ def _row_callback(on_tokens: Callable[[int, list[int]], None] | None, i: int):
 def _prefill_groups(counts: list[int]) -> list[tuple[int, int]]:
     """[a, b) ranges of joining rows prefilled in one forward each. Chunks of at most SHORT_FORWARD
     tokens go together: the step kernels compute every row alone, over keys masked past its own.
-    A longer chunk goes by itself: its GEMM (maybe in bf16, models/block_linear.py) and the CPU
+    A longer chunk goes by itself: its GEMM (maybe in bf16, models/formats/block_linear.py) and the CPU
     flash attention block their sums by the forward's width and key span, which padding to a
     neighbour's chunk would change. [5, 6, 40, 3] -> [(0, 2), (2, 3), (3, 4)]."""
     groups, a = [], 0

@@ -697,7 +697,7 @@ def profile_tokens(vocab_size: int, rows: int, length: int, seed: int) -> torch.
     """[rows, length] token ids to time steps with: a random 40-token phrase, repeated. Text is
     mostly predictable, and a model continuing a repeat is sure of its next token as it is on
     most real steps; on uniform random tokens its scores are flat, and the greedy head's exact
-    screen (models/screened_head.py) rescores thousands of near-ties, which real text rarely
+    screen (models/formats/screened_head.py) rescores thousands of near-ties, which real text rarely
     costs."""
     phrase = torch.randint(0, vocab_size, (rows, 40), generator=torch.Generator().manual_seed(seed))
     return phrase.repeat(1, -(-length // 40))[:, :length]
@@ -735,7 +735,7 @@ def _target_calls(model: torch.nn.Module, cache, widths: list[int]) -> dict[int,
 
 def by_confidence(model: torch.nn.Module, states: torch.Tensor) -> torch.Tensor:
     """The hidden rows `states` [N, H], those whose two best scores lie furthest apart first. Real
-    decoding is mostly sure of its next token, and the exact greedy head (models/screened_head.py)
+    decoding is mostly sure of its next token, and the exact greedy head (models/formats/screened_head.py)
     costs what such a step costs; on the profile text's unsure positions (its first, unrepeated
     phrase, and some later ones on a small model) thousands of tokens tie within the screen's
     bound and the head reads the table a second time: timed on those, a 32-row head read 96.8 ms

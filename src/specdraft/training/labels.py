@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from specdraft.models.layers import softcap
+from specdraft.models.architectures.layers import softcap
 
 # Rows scored per call: a [rows, V] float32 block (400 MB at Gemma's 262k vocabulary).
 ROWS_PER_CALL = 384

@@ -27,7 +27,7 @@ from torch import nn
 from specdraft.drafters.mtp.copy import KINDS, sequence_copies
 from specdraft.drafters.mtp.drafter import layer_contexts
 from specdraft.drafters.mtp.network import MTPNetwork
-from specdraft.models.target import AttentionLayout
+from specdraft.models.architectures.target import AttentionLayout
 from specdraft.training.data import Sequence
 
 

@@ -15,7 +15,7 @@ from specdraft.drafters.mtp.drafter import MTPDrafter
 from specdraft.drafters.mtp.network import MTPNetwork, kernels_like_target
 from specdraft.errors import SpecdraftError
 from specdraft.drafters.mtp.source import kv_source
-from specdraft.models.target import AttentionLayout
+from specdraft.models.architectures.target import AttentionLayout
 from specdraft.loading.weights import read_safetensors, safetensors_files
 
 

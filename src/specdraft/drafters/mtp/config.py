@@ -22,7 +22,7 @@ from typing import Any
 
 from specdraft.config import FULL, SLIDING
 from specdraft.errors import SpecdraftError
-from specdraft.models.gemma4_config import head_shapes
+from specdraft.models.architectures.gemma4_config import head_shapes
 
 
 # The keys under "specdraft" that MTPConfig reads; others are kept in `extra` and written back.

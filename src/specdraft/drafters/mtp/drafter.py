@@ -17,7 +17,7 @@ from specdraft.drafters.mtp.network import DraftStep, LayerContext, MTPNetwork
 from specdraft.kv_cache import attention_span
 from specdraft.models.kernels.build import applies as kernels_apply
 from specdraft.models.kernels.score_rows import draft_head
-from specdraft.models.target import AttentionLayout
+from specdraft.models.architectures.target import AttentionLayout
 from specdraft.models.kernels.sample_rows import draw_tokens
 from specdraft.sampling import RowStreams, SamplingParams, probabilities
 

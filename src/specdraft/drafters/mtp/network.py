@@ -33,10 +33,10 @@ from specdraft.models.kernels.decoder_layer import (Linear, LayerStep, LayerWeig
 from specdraft.models.kernels.draft_step import DraftNet, draft_step
 from specdraft.models.kernels.fp16_gemv import takes as fp16_tiles_take
 from specdraft.models.kernels.gated_act import KINDS
-from specdraft.models.layers import GatedMLP, RMSNorm, attend
-from specdraft.models.q8_act_linear import ACT_GROUP, Q8ActLinear, int8_blocks
-from specdraft.models.quant import Fp16Linear
-from specdraft.models.rope import apply_rope
+from specdraft.models.architectures.layers import GatedMLP, RMSNorm, attend
+from specdraft.models.formats.q8_act_linear import ACT_GROUP, Q8ActLinear, int8_blocks
+from specdraft.models.formats.quant import Fp16Linear
+from specdraft.models.architectures.rope import apply_rope
 
 
 @dataclass

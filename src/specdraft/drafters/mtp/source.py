@@ -8,7 +8,7 @@ that layer's q-path (`AttentionLayout`).
 
 from __future__ import annotations
 
-from specdraft.models.target import AttentionLayout, TargetModel
+from specdraft.models.architectures.target import AttentionLayout, TargetModel
 
 
 def kv_source(target: TargetModel, layer_type: str) -> AttentionLayout:

@@ -10,7 +10,7 @@ of norms between attention and MLP (rms_norm.c), q/k norms + RoPE + the KV cache
 (int8_screen.c) and the MTP drafter's candidate scores (score_rows.c); simd.h holds what they
 share. With fp16 weights a decoder layer's short forward is one call (decoder_layer.c strings
 the others together; kernels.h declares them); with other weights it is six C calls around the
-projections (models/decoder.py). Each computes every row in one fixed order, so a row's result
+projections (models/architectures/decoder.py). Each computes every row in one fixed order, so a row's result
 never depends on the rows beside it (speculative output equals plain output).
 
 `build.library()` compiles every .c file here into one shared library in the cache folder

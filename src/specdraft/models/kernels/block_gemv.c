@@ -15,7 +15,7 @@
  * depends on the rows computed beside it: a (K+1)-row verification gives each row the bits of a
  * one-row step.
  *
- * Built on first use with the system C compiler (models/block_linear.py). OpenMP resolves to the
+ * Built on first use with the system C compiler (models/formats/block_linear.py). OpenMP resolves to the
  * runtime torch has already loaded (the same soname), so the two share one thread pool.
  */
 #include <immintrin.h>
@@ -207,7 +207,7 @@ void block_gemv_packed(const float *x, const uint8_t *nibbles, const float *scal
 }
 #else
 /* The AVX2 build: no 16-float permute, so each group is unpacked to int8 codes and multiplied
- * as block_gemv's AVX2 loop does (the same bits). models/block_linear.py packs codes only for
+ * as block_gemv's AVX2 loop does (the same bits). models/formats/block_linear.py packs codes only for
  * the AVX-512 build; this keeps the function whole for any other caller. */
 void block_gemv_packed(const float *x, const uint8_t *nibbles, const float *scales, const float *offsets,
                        int64_t base, float *y, int64_t M, int64_t N, int64_t K, int threads)

@@ -8,7 +8,7 @@
  * The MTP drafter's blocks are the same with query-only attention over the target's cache (no
  * K/V projection, nothing written) and a final per-layer factor.
  *
- * The same kernels, in the same order, as the per-op path of models/decoder.py takes with the C
+ * The same kernels, in the same order, as the per-op path of models/architectures/decoder.py takes with the C
  * kernels (so the same bits): this file only removes the ~40 Python-level calls a layer costs
  * there (a few ms a step on a 2-core CPU).
  */

@@ -23,28 +23,15 @@ FP16_TILES, BLOCKS, PACKED_BLOCKS, Q8_ACT = 0, 1, 2, 3  # Q8_ACT + Q8ActLinear.k
 
 
 def linear_weights(m) -> Linear:
-    """The Linear of an Fp16Linear holding tiles, a BlockLinear or a Q8ActLinear (see `kernel_linear`)."""
-    from specdraft.models.block_linear import BlockLinear
-    from specdraft.models.q8_act_linear import Q8ActLinear
-
-    if type(m) is Q8ActLinear:
-        return Linear(Q8_ACT + m.kernel_layout, m.packed_codes.data_ptr(), m.scales.data_ptr(),
-                      pointer(m.offsets), m.group, pointer(m.bias), m.code_base, m.code_max)
-    if type(m) is BlockLinear and m.nibbles is not None:
-        return Linear(PACKED_BLOCKS, m.nibbles.data_ptr(), m.scales.data_ptr(), pointer(m.offsets), m.group,
-                      pointer(m.bias), m.code_base)
-    if type(m) is BlockLinear:
-        return Linear(BLOCKS, m.codes.data_ptr(), m.scales.data_ptr(), pointer(m.offsets), m.group, pointer(m.bias), 0)
-    return Linear(FP16_TILES, m.tiles.data_ptr(), None, None, 0, pointer(m.bias), 0)
+    """The Linear of a projection the C kernels read (see `kernel_linear`)."""
+    return m.c_linear()
 
 
 def kernel_linear(m) -> bool:
-    """Whether decoder_layer.c multiplies by this projection's weights as its forward does."""
-    from specdraft.models.block_linear import BlockLinear
-    from specdraft.models.q8_act_linear import Q8ActLinear
-    from specdraft.models.quant import Fp16Linear
-
-    return (type(m) is Fp16Linear and m.tiles is not None) or type(m) in (BlockLinear, Q8ActLinear)
+    """Whether decoder_layer.c multiplies by this projection's weights as its forward does: its
+    format describes itself with `c_linear()` (formats own their layout; kernels only read it)."""
+    describe = getattr(m, "c_linear", None)
+    return describe is not None and describe() is not None
 
 
 class LayerWeights(ctypes.Structure):

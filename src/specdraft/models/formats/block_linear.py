@@ -34,6 +34,7 @@ from torch import nn
 
 from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models.kernels import build
+from specdraft.models.kernels.decoder_layer import BLOCKS, PACKED_BLOCKS, Linear, pointer
 
 KERNEL_ROWS = 64  # float32 prompts: chunks wider than this take the GEMM (see above)
 
@@ -212,6 +213,14 @@ class BlockLinear(nn.Module):
             y = mm(rows, self.nibbles, self.scales, self.offsets, self.group, self.code_base)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+    def c_linear(self) -> Linear:
+        """How decoder_layer.c reads these weights: codes (or nibbles), scales, offsets per group."""
+        if self.nibbles is not None:
+            return Linear(PACKED_BLOCKS, self.nibbles.data_ptr(), self.scales.data_ptr(), pointer(self.offsets),
+                          self.group, pointer(self.bias), self.code_base)
+        return Linear(BLOCKS, self.codes.data_ptr(), self.scales.data_ptr(), pointer(self.offsets), self.group,
+                      pointer(self.bias), 0)
 
     def set_prompt_dtype(self, dtype: torch.dtype) -> None:
         """float32: prompts multiply the float32 weights (dequantised per call, exact); bfloat16:

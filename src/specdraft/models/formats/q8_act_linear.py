@@ -1,6 +1,6 @@
 """Linears over GGUF blocks with int8 activations, on x86 CPUs with AVX2 (--weights gguf-q8).
 
-The same weights as --weights gguf (models/block_linear.py), w = s * c - o per group, but each
+The same weights as --weights gguf (models/formats/block_linear.py), w = s * c - o per group, but each
 input row is rounded to int8 per 32 inputs (llama.cpp's Q8_0 activations) and multiplied by the
 codes as integers, 64 products an instruction with AVX-512 VNNI, 32 with AVX2, the same bits
 either way (kernels/q8_act_gemv.c). --weights gguf computes
@@ -20,8 +20,9 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.block_linear import BlockLinear, Blocks
+from specdraft.models.formats.block_linear import BlockLinear, Blocks
 from specdraft.models.kernels import build
+from specdraft.models.kernels.decoder_layer import Q8_ACT, Linear, pointer
 
 OUT_BLOCK = 16  # outputs interleaved per 64-byte step (q8_act_gemv.c)
 ACT_GROUP = 32  # inputs per activation scale
@@ -133,6 +134,11 @@ class Q8ActLinear(nn.Module):
     def kernel_layout(self) -> int:
         """`layout` as q8_act_gemv.c takes it: the codes' layout, with HALF_SCALES for fp16 scales."""
         return self.layout | (HALF_SCALES if self.scales.dtype == torch.float16 else 0)
+
+    def c_linear(self) -> Linear:
+        """How decoder_layer.c reads these weights (Q8_ACT plus the codes' layout)."""
+        return Linear(Q8_ACT + self.kernel_layout, self.packed_codes.data_ptr(), self.scales.data_ptr(),
+                      pointer(self.offsets), self.group, pointer(self.bias), self.code_base, self.code_max)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)

@@ -1,6 +1,6 @@
 """The contract every target model keeps, so the engine and the drafters run any of them.
 
-`models.decoder.Transformer` (Gemma 3, Llama family) and `models.gemma4.Gemma4Transformer`
+`models.architectures.decoder.Transformer` (Gemma 3, Llama family) and `models.architectures.gemma4.Gemma4Transformer`
 implement it; nothing above `models/` may rely on more than this.
 """
 
@@ -15,9 +15,9 @@ from torch import nn
 from specdraft.config import ModelConfig
 from specdraft.kv_cache import AttentionSpan, KVCache
 from specdraft.models.kernels.argmax import argmax_last
-from specdraft.models.layers import softcap
-from specdraft.models.quant import head_scores
-from specdraft.models.rope import RopeTable
+from specdraft.models.architectures.layers import softcap
+from specdraft.models.formats.quant import head_scores
+from specdraft.models.architectures.rope import RopeTable
 
 
 @dataclass(frozen=True)
@@ -89,8 +89,8 @@ class CachedDecoder(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.packed_head: nn.Module | None = None  # set by models.quant.compact_weights
-        self.screened_head: nn.Module | None = None  # set by models.screened_head.screen_head
+        self.packed_head: nn.Module | None = None  # set by models.formats.quant.compact_weights
+        self.screened_head: nn.Module | None = None  # set by models.formats.screened_head.screen_head
         self.compiled_step = None  # set by models.compile.compile_steps
 
     def forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -111,7 +111,7 @@ class CachedDecoder(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The activations' and the KV cache's dtype. The token table may be stored narrower
-        (fp16 under --weights fp16, models.quant.compact_weights): read its rows through `embed`."""
+        (fp16 under --weights fp16, models.formats.quant.compact_weights): read its rows through `embed`."""
         return self.norm.weight.dtype
 
     @property

@@ -6,10 +6,10 @@ LM head of Gemma 3 270M alone is 335 MB in bf16. Three weight-only formats:
 - int8: one scale per output row; `aten._weight_int8pack_mm` (bf16 or float32 activations).
 - int4: asymmetric, one scale and one offset per group of 32 inputs; `aten._weight_int4pack_mm_for_cpu`.
 - fp16: weights rounded to fp16, float32 activations and sums; a C kernel over a tiled copy
-  (models/kernels/fp16_gemv.c), FBGEMM where it does not build (models/fp16_kernel.py). For
+  (models/kernels/fp16_gemv.c), FBGEMM where it does not build (models/formats/fp16_kernel.py). For
   CPUs without bf16 units, where the int8/int4 kernels are compute-bound.
 - gguf: the GGUF file's own quantised blocks, multiplied as the float32 model's exact weights
-  (models/block_linear.py); float32 activations. Only for models converted from a GGUF.
+  (models/formats/block_linear.py); float32 activations. Only for models converted from a GGUF.
 
 The int8 and int4 kernels compute every output row on its own with a fixed reduction order
 (fp16: by construction in the C kernel, by padding FBGEMM's calls in fp16_kernel.py), so a row's
@@ -26,12 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.kv_cache import SHORT_FORWARD
-from specdraft.models import block_linear, int8_head, q8_act_linear
-from specdraft.models.block_linear import Blocks
-from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16, register
-from specdraft.models.huge_pages import huge_copy
+from specdraft.models.formats import block_linear, int8_head, q8_act_linear
+from specdraft.models.formats.block_linear import Blocks
+from specdraft.models.formats.fp16_kernel import fp16_mm, prepack_fp16, register
+from specdraft.models.formats.huge_pages import huge_copy
 from specdraft.models.kernels import build as kernels
 from specdraft.models.kernels import fp16_gemv
+from specdraft.models.kernels.decoder_layer import FP16_TILES, Linear, pointer
 
 WEIGHT_FORMATS = ("dtype", "int8", "int4", "fp16", "gguf", "gguf-q8")  # dtype: weights stay in the model's dtype
 INT4_GROUP = 32
@@ -106,7 +107,7 @@ class Int8Linear(PackedLinear):
 
 class Int8Head(Int8Linear):
     """The vocabulary head in int8: the same weights and per-row scales as Int8Linear, scored by
-    the compiled row-group loop of models/int8_head.py (2x faster than the packed kernel here;
+    the compiled row-group loop of models/formats/int8_head.py (2x faster than the packed kernel here;
     float32 scores, row-invariant)."""
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
@@ -151,7 +152,7 @@ class Fp16Linear(nn.Module):
     kernels/fp16_gemv.c, whose kernel is row-invariant by construction; for prompts it is within
     10-40% of FBGEMM's GEMM here, and widening W for a float32 GEMM cost more than that (measured,
     BENCHMARKS.md). Elsewhere W is FBGEMM's packed copy
-    (models/fp16_kernel.py, padded for row invariance); `packed_nbytes` counts that copy, which is
+    (models/formats/fp16_kernel.py, padded for row invariance); `packed_nbytes` counts that copy, which is
     not a tensor. Either way the weights are W rounded to fp16 and the sums are float32."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -166,6 +167,12 @@ class Fp16Linear(nn.Module):
             self.packed_nbytes = weight.numel() * 2
         self.handle = register(self)  # how a compiled step names these weights
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def c_linear(self) -> Linear | None:
+        """How decoder_layer.c reads these weights: the tiles; None without them (FBGEMM's copy)."""
+        if self.tiles is None:
+            return None
+        return Linear(FP16_TILES, self.tiles.data_ptr(), None, None, 0, pointer(self.bias), 0)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [M, K] float32 -> rows W^T [M, N] float32 (no bias); a row's bits do not depend on M."""
@@ -246,7 +253,7 @@ def compact_weights(model: nn.Module, fmt: str, blocks: dict[str, Blocks] | None
                     setattr(child, attr, compact_linear(sub, fmt, dtype))
     head = model.head_weight
     if fmt == "fp16":
-        model.packed_head = Fp16Linear(head, None)  # greedy steps screen with it (models/screened_head.py)
+        model.packed_head = Fp16Linear(head, None)  # greedy steps screen with it (models/formats/screened_head.py)
         narrow_tables(model)
     elif fmt == "int8" or head.shape[1] % INT4_GROUP:  # the compiled int8 head takes any width
         model.packed_head = Int8Head(head, dtype)  # compiles on first use; Runtime.load warms it up
@@ -318,7 +325,7 @@ def narrow_tables(model: nn.Module) -> None:
     table (input embeddings, the screened head's exact rescoring, the MTP drafter's clustered
     head) then reads the same fp16 values, widened exactly to float32 where they are used, and
     the model holds half the bytes: 335 MB less for Gemma 3 270M's 262144 x 640 table. It is
-    kept in 2 MB pages (models/huge_pages.py): the drafter reads its rows all over.
+    kept in 2 MB pages (models/formats/huge_pages.py): the drafter reads its rows all over.
     """
     for module in (model.embed_tokens, model.lm_head):
         if module is not None and module.weight.dtype == torch.float32:

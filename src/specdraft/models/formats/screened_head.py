@@ -3,7 +3,7 @@
 Greedy decoding needs only the argmax of each row's V scores, not the scores. A float32 head
 (262144 x 640 for Gemma 3: 671 MB) is read once per step, and on a CPU without bf16 units it is
 the largest single cost of a step; its fp16 copy reads in a quarter of the time on an fp16-weight kernel
-(kernels/fp16_gemv.c, or FBGEMM's in models/fp16_kernel.py).
+(kernels/fp16_gemv.c, or FBGEMM's in models/formats/fp16_kernel.py).
 
 The screen is exact because its error has a proven bound. For a hidden row h and a vocabulary
 row w (float32 or fp16 values) with fp16 copy w16, the exact score e = w . h and the screened
@@ -30,13 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdraft.device import fp16_kernel_available
-from specdraft.models.block_linear import BlockLinear
-from specdraft.models.fp16_kernel import fp16_mm, prepack_fp16
+from specdraft.models.formats.fp16_kernel import fp16_kernel_available
+from specdraft.models.formats.block_linear import BlockLinear
+from specdraft.models.formats.fp16_kernel import fp16_mm, prepack_fp16
 from specdraft.models.kernels import build as kernels
 from specdraft.models.kernels.int8_screen import (GROUP, int8_scores, quantize_rows, quantize_table, rescore_candidates,
                                                   screen_candidates)
-from specdraft.models.quant import Fp16Linear
+from specdraft.models.formats.quant import Fp16Linear
 
 _U = 2.0**-24  # float32 unit roundoff
 CROWDED = 2048  # candidates per row past which the int8 screen's row is screened again finely

@@ -1,7 +1,7 @@
 """The Gemma 4 text decoder (E2B, E4B, 26B-A4B, 31B), as a specdraft target.
 
-Same interface as `models.decoder.Transformer` (forward -> final-normed hidden, logits, embed,
-new_cache, cache_slot, attention_layout: models.target.TargetModel), so the engine and the MTP drafter run it unchanged.
+Same interface as `models.architectures.decoder.Transformer` (forward -> final-normed hidden, logits, embed,
+new_cache, cache_slot, attention_layout: models.architectures.target.TargetModel), so the engine and the MTP drafter run it unchanged.
 What differs from Gemma 3, each one a config switch in `Gemma4Params`:
 
 - sliding and full layers have their own head_dim (and, with attention_k_eq_v, KV heads);
@@ -26,10 +26,10 @@ from torch import nn
 
 from specdraft.config import FULL, SLIDING, ModelConfig
 from specdraft.kv_cache import AttentionSpan, KVCache
-from specdraft.models.gemma4_config import Gemma4Params, gemma4_params
-from specdraft.models.layers import GatedMLP, RMSNorm, activation, attend
-from specdraft.models.rope import RopeTable, apply_rope
-from specdraft.models.target import AttentionLayout, CachedDecoder
+from specdraft.models.architectures.gemma4_config import Gemma4Params, gemma4_params
+from specdraft.models.architectures.layers import GatedMLP, RMSNorm, activation, attend
+from specdraft.models.architectures.rope import RopeTable, apply_rope
+from specdraft.models.architectures.target import AttentionLayout, CachedDecoder
 
 
 class Gemma4RMSNorm(RMSNorm):
@@ -188,7 +188,7 @@ class Gemma4Transformer(CachedDecoder):
         self.ropes = {t: RopeTable(r, p.head_dim[t], cfg.max_position_embeddings) for t, r in cfg.rope.items()}
         self.windows = {t: cfg.sliding_window if t == SLIDING else None for t in dict.fromkeys(cfg.layer_types)}
 
-    # --- what the engine and the drafters use (models.target.TargetModel) -------------------------------------------
+    # --- what the engine and the drafters use (models.architectures.target.TargetModel) -------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings times sqrt(hidden), the scale rounded to the weight dtype (as the reference)."""
         e = self.embed_tokens(tokens)

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from specdraft.config import (FULL, SLIDING, ConfigError, ModelConfig, common_fields, layer_types_of,
                               rope_params_by_type)
-from specdraft.models.gemma4_config import gemma4_config
+from specdraft.models.architectures.gemma4_config import gemma4_config
 
 LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 

@@ -23,9 +23,9 @@ from specdraft.models.kernels.decoder_layer import (LayerStep, LayerWeights, Sna
 from specdraft.models.kernels.gated_act import KINDS as NATIVE_ACTIVATIONS
 from specdraft.models.kernels.qk_rope import MAX_HEAD_DIM, qk_rope_write
 from specdraft.models.kernels.rms_norm import residual_norms
-from specdraft.models.layers import GatedMLP, RMSNorm, attend, stack_linears
-from specdraft.models.rope import RopeTable, apply_rope
-from specdraft.models.target import AttentionLayout, CachedDecoder
+from specdraft.models.architectures.layers import GatedMLP, RMSNorm, attend, stack_linears
+from specdraft.models.architectures.rope import RopeTable, apply_rope
+from specdraft.models.architectures.target import AttentionLayout, CachedDecoder
 
 
 class Attention(nn.Module):
@@ -214,7 +214,7 @@ class Transformer(CachedDecoder):
         self.windows = {t: cfg.sliding_window if t == SLIDING else None for t in self.ropes}
         self._stack = None  # (Snapshot of the layers, their LayerWeights or None): see _layer_stack
 
-    # --- what the engine and the drafters use (models.target.TargetModel) -------------------------------------------
+    # --- what the engine and the drafters use (models.architectures.target.TargetModel) -------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings with the model's own scaling (Gemma: sqrt(hidden), rounded to the weight dtype)."""
         e = self.embed_tokens(tokens)

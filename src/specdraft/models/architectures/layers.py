@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.kv_cache import SHORT_FORWARD
-from specdraft.models.block_linear import stack_blocks
+from specdraft.models.formats.block_linear import stack_blocks
 from specdraft.models.kernels.attention import attend_short as native_attend_short
 from specdraft.models.kernels.build import applies as kernels_apply
 from specdraft.models.kernels.gated_act import KINDS as NATIVE_ACTIVATIONS

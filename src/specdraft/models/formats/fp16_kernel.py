@@ -111,3 +111,8 @@ def fp16_linear(rows: torch.Tensor, handle: int, out_features: int) -> torch.Ten
 @fp16_linear.register_fake
 def _(rows: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
     return rows.new_empty(rows.shape[0], out_features, dtype=torch.float32)
+
+
+def fp16_kernel_available() -> bool:
+    """FBGEMM's fp16-weight matmul is in torch's x86 CPU builds; not on ARM, not for CUDA tensors."""
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_prepack_fp16")

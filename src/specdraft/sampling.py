@@ -42,9 +42,18 @@ class SamplingParams:
         return self.temperature, self.top_k, self.top_p
 
 
+# Below this, logit / temperature may overflow float32 (inf - inf is NaN in the softmax).
+MIN_SCALED_TEMPERATURE = 1e-30
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [..., V] -> probabilities [..., V] (float32) after temperature, top-k and top-p."""
-    logits = logits.float() / params.temperature
+    if params.temperature < MIN_SCALED_TEMPERATURE:
+        # The limit as the temperature goes to 0: the argmax, ties sharing the mass.
+        logits = logits.float()
+        logits = torch.where(logits == logits.amax(-1, keepdim=True), 0.0, float("-inf"))
+    else:
+        logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -54,6 +63,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
         mass_before = sorted_probs.cumsum(-1) - sorted_probs
         drop_sorted = mass_before >= params.top_p
+        drop_sorted[..., 0] = False  # a top_p that rounds to 0 in float32 still keeps the top token
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return torch.softmax(logits, dim=-1)

@@ -122,6 +122,13 @@ class Engine:
                 return self._result(row, "abort")
         return None
 
+    def reset(self) -> list[Request]:
+        """Drop every request and free the cache: after an error mid-step no row's state can be
+        trusted. Returns the queued requests, which never reached the cache and may be added again."""
+        queued = [row.req for row in self.waiting]
+        self.cache, self.hidden, self.slots, self.waiting, self.n_dec = None, None, [], deque(), 0
+        return queued
+
     def check(self, req: Request) -> None:
         """Raise SpecdraftError if the request cannot run here (add checks it too)."""
         self._check_request(req)

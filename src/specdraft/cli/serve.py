@@ -32,10 +32,18 @@ def register(sub) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests that may wait for a batch row; beyond that the server answers 429 (default 64)")
     p.add_argument("--max-context", type=int, default=DEFAULT_MAX_CONTEXT,
-                   help="prompt + new tokens per request, which sizes the KV cache: max-batch-size rows of this "
-                        f"many positions (default {DEFAULT_MAX_CONTEXT}, capped at the model's context)")
+                   help="positions per KV cache row, which sizes the cache: max-batch-size rows of this many "
+                        f"(default {DEFAULT_MAX_CONTEXT}, capped at the model's context); a request's prompt + "
+                        "max_tokens may use this minus the widest draft round + 1 (GET /v1/models: max_model_len)")
     p.add_argument("--api-key", default=os.environ.get("SPECDRAFT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECDRAFT_API_KEY, else none)")
+                   help="require 'Authorization: Bearer KEY' on everything but /health and the playground page "
+                        "(default: $SPECDRAFT_API_KEY, else none)")
+    p.add_argument("--allowed-hosts", nargs="+", metavar="HOST",
+                   help="Host header names served, '*' for any (default: localhost, 127.0.0.1, ::1 and the "
+                        "--host address); others get 400, so web pages cannot reach the server by DNS rebinding")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds requests in flight get to finish before they are aborted with a "
+                        "503 error (default 30)")
     p.set_defaults(run=run)
 
 
@@ -50,15 +58,16 @@ def _check(args) -> None:
         raise SpecdraftError(f"--max-context must be >= 16, got {args.max_context}")
     if args.api_key == "":
         raise SpecdraftError("--api-key must not be empty")
+    if not args.shutdown_timeout >= 0:
+        raise SpecdraftError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     check_draft_tokens(args.draft_tokens)
 
 
 def run(args) -> int:
     _check(args)
     try:
-        import uvicorn
-
         from specdraft.serve import create_app, load_served
+        from specdraft.serve.server import serve
     except ImportError as e:
         raise SpecdraftError(f"specdraft serve needs the serve extra ({e.name} is missing): "
                              "pip install 'specdraft[serve]'") from None
@@ -72,6 +81,14 @@ def run(args) -> int:
         print(f"specdraft: note: {note}", file=sys.stderr)
     print(f"specdraft: serving {served.name} (drafter {served.drafter}) on http://{args.host}:{args.port}/ "
           f"- playground at /, API at /v1", file=sys.stderr)
-    uvicorn.run(create_app(lambda: served, args.max_queue, args.api_key), host=args.host, port=args.port,
-                log_level="warning")
-    return 0
+    app = create_app(lambda: served, args.max_queue, args.api_key, allowed_hosts(args))
+    return serve(app, args.host, args.port, args.shutdown_timeout)
+
+
+def allowed_hosts(args) -> list[str]:
+    """--allowed-hosts, else localhost's names plus the address listened on (unless a wildcard)."""
+    if args.allowed_hosts:
+        return args.allowed_hosts
+    from specdraft.serve.limits import LOCAL_HOSTS
+
+    return list(LOCAL_HOSTS) + ([args.host] if args.host not in ("0.0.0.0", "::", "") else [])

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API over the step-wise engine (FastAPI).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (streamed as server-sent events or
-not), GET /v1/models, GET /health, GET /metrics (Prometheus), GET / (the playground). Every
-error is OpenAI's JSON shape, {"error": {"message", "type", "param", "code"}}: 4xx for the
-client's mistakes, 429 when the batch and queue are full, never a traceback.
+not), GET /v1/models, GET /health, GET /metrics (Prometheus), GET /openapi.json, GET / (the
+playground). Every error is OpenAI's JSON shape, {"error": {"message", "type", "param", "code"}}:
+4xx for the client's mistakes, 429 when the batch and queue are full, 503 while loading, draining
+or after the engine failed for good, never a traceback. With an API key, everything but /health
+and the playground page needs it. Limits and their reasons: limits.py and docs/server.md.
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ import asyncio
 import logging
 import secrets
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
-from typing import Callable
+from typing import Callable, Iterable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,22 +26,19 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from specdraft.errors import SpecdraftError
-from specdraft.sampling import SamplingParams
+from specdraft.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES, ClientGone, Guard, disconnected, read_body
 from specdraft.serve.metrics import Metrics
-from specdraft.serve.schemas import ChatRequest, CompletionRequest, SamplingFields
-from specdraft.serve.shapes import FINISH, Shaper, error, spec_stats, sse
-from specdraft.serve.text import TextStream
-from specdraft.serve.worker import EngineWorker, QueueFull, Sink
+from specdraft.serve.prepare import Prepared, prepare, validation_message
+from specdraft.serve.schemas import ChatRequest, CompletionRequest
+from specdraft.serve.shapes import FINISH, ApiError, Shaper, error, error_type, spec_stats, sse
+from specdraft.serve.text import TextStream, longest_token_chars
+from specdraft.serve.worker import EngineWorker, QueueFull, Sink, Unavailable
 from specdraft.speculative.engine import Engine
-from specdraft.speculative.request import Request as EngineRequest
 from specdraft.tokenizer import Tokenizer
 
 log = logging.getLogger("specdraft.serve")
-MAX_BODY_BYTES = 4 * 1024 * 1024  # far above any prompt that fits a context
-DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
-DISCONNECT_POLL_S = 0.25
-ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/"}
+CPU_THREADS = 2  # parsing and tokenizing; each holds a request's worth of CPU work at most
+CLIENT_GONE = 499  # nginx's status for a request whose client hung up (nobody reads it)
 
 
 @dataclass
@@ -50,41 +50,67 @@ class ServedModel:
     k: int
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
-        super().__init__(message)
-        self.status, self.body = status, error(message, type_, code, param)
-
-
 class _State:
     def __init__(self, metrics: Metrics):
         self.metrics = metrics
         self.served: ServedModel | None = None
         self.worker: EngineWorker | None = None
         self.load_error: str | None = None
+        self.draining = False
+        self.on_fatal: Callable[[str], None] | None = None  # the process's reaction (serve/server.py)
+
+    @property
+    def fatal(self) -> str | None:
+        return self.load_error or (self.worker.fatal if self.worker is not None else None)
+
+    def health(self) -> tuple[int, dict]:
+        if self.fatal is not None:
+            return 503, {"status": "error", "error": self.fatal}
+        if self.served is None:
+            return 503, {"status": "loading"}
+        if self.draining:
+            return 503, {"status": "draining"}
+        return 200, {"status": "ok", "model": self.served.name, "drafter": self.served.drafter}
 
     def ready(self) -> tuple[ServedModel, EngineWorker]:
+        if self.fatal is not None:
+            raise ApiError(503, f"the server cannot serve: {self.fatal}", code="engine_failed")
         if self.served is None or self.worker is None:
-            why = f"model failed to load: {self.load_error}" if self.load_error else "model is loading; retry shortly"
-            raise ApiError(503, why, "service_unavailable", "model_not_ready")
+            raise ApiError(503, "model is loading; retry shortly", code="model_not_ready")
+        if self.draining:
+            raise ApiError(503, "the server is shutting down; retry shortly", code="shutting_down")
         return self.served, self.worker
 
+    def begin_drain(self, timeout: float) -> None:
+        """Shutdown: no new requests; those in flight get `timeout` seconds, then fail with 503."""
+        self.draining = True
+        if self.worker is not None:
+            self.worker.drain(timeout)
 
-def create_app(load: Callable[[], ServedModel], max_queue: int = 64, api_key: str | None = None) -> FastAPI:
-    """`load` runs in a thread at startup; until it returns, /health and the API answer 503."""
+    def _fatal(self, reason: str) -> None:
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+
+def create_app(load: Callable[[], ServedModel], max_queue: int = 64, api_key: str | None = None,
+               allowed_hosts: Iterable[str] | None = None, max_body: int = MAX_BODY_BYTES,
+               body_timeout: float = BODY_TIMEOUT_S) -> FastAPI:
+    """`load` runs in a thread at startup; until it returns, /health and the API answer 503.
+    `allowed_hosts`: Host header names served (default: localhost's; "*": any)."""
     state = _State(Metrics())
+    pool = ThreadPoolExecutor(CPU_THREADS, thread_name_prefix="specdraft-cpu")
 
     def load_in_background() -> None:
         try:
             served = load()
-            worker = EngineWorker(served.engine, max_queue, state.metrics)
+            longest_token_chars(served.tokenizer)  # read the vocabulary now, not on the first request
+            worker = EngineWorker(served.engine, max_queue, state.metrics, on_fatal=state._fatal)
             worker.start()
             state.served, state.worker = served, worker
             log.info("specdraft: %s ready (drafter %s)", served.name, served.drafter)
         except Exception as e:  # reported by /health, and logged with its traceback
             log.exception("loading the model failed")
-            state.load_error = f"{type(e).__name__}: {e}"
+            state.load_error = f"loading the model failed: {type(e).__name__}: {e}"
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -92,19 +118,14 @@ def create_app(load: Callable[[], ServedModel], max_queue: int = 64, api_key: st
         yield
         if state.worker is not None:
             state.worker.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="specdraft", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="specdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.specdraft = state
-    _install_error_handlers(app, state)
-
-    def authorize(request: Request) -> None:
-        if api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip(), api_key):
-            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                           "authentication_error", "invalid_api_key")
+    app.add_middleware(Guard, metrics=state.metrics, allowed_hosts=allowed_hosts, max_body=max_body)
+    _install_error_handlers(app)
+    authorize = _authorizer(api_key)
+    open_api = _openapi_document(app)
 
     @app.get("/", response_class=HTMLResponse)
     async def playground() -> HTMLResponse:
@@ -113,161 +134,161 @@ def create_app(load: Callable[[], ServedModel], max_queue: int = 64, api_key: st
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if state.served is None:
-            status = {"status": "error", "error": state.load_error} if state.load_error else {"status": "loading"}
-            return JSONResponse(status, status_code=503)
-        return JSONResponse({"status": "ok", "model": state.served.name, "drafter": state.served.drafter})
+        status, body = state.health()
+        return JSONResponse(body, status_code=status)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(authorize)])
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/openapi.json", dependencies=[Depends(authorize)], include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(open_api())
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict:
         served, _ = state.ready()
         return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "specdraft",
+                                            "max_model_len": served.engine.room,
                                             "specdraft": {"drafter": served.drafter, "draft_tokens": served.k}}]}
 
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def generate(request: Request, chat: bool) -> Response:
         served, worker = state.ready()
-        if isinstance(body.prompt, list) and len(body.prompt) != 1:
-            raise ApiError(400, "prompt: send one prompt per request (a string)", param="prompt")
-        if body.echo:
-            raise ApiError(400, "echo is not supported", param="echo")
-        prompt = body.prompt if isinstance(body.prompt, str) else body.prompt[0]
-        ids = served.tokenizer.encode(prompt)
-        return await _generate(request, body, ids, body.max_tokens, False, served, worker)
-
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat(body: ChatRequest, request: Request) -> Response:
-        served, worker = state.ready()
-        tok = served.tokenizer
-        if tok.chat_template is None:
-            raise ApiError(400, f"model {served.name} has no chat template; use /v1/completions", param="messages")
         try:
-            rendered = tok.render_chat([{"role": m.role, "content": m.text()} for m in body.messages])
-        except SpecdraftError as e:
-            raise ApiError(400, str(e), param="messages") from None
-        ids = tok.encode(rendered, add_special_tokens=False)
-        return await _generate(request, body, ids, body.max_completion_tokens or body.max_tokens, True, served, worker)
+            raw = await read_body(request.receive, max_body, body_timeout)
+        except ClientGone:
+            return Response(status_code=CLIENT_GONE)
+        job = await asyncio.get_running_loop().run_in_executor(pool, prepare, raw, chat, served)
+        return await _run(request, job, chat, served, worker)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)],
+              openapi_extra=_request_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)], openapi_extra=_request_body(ChatRequest))
+    async def chat(request: Request) -> Response:
+        return await generate(request, chat=True)
 
     return app
 
 
-def _sampling(body: SamplingFields) -> tuple[SamplingParams, tuple[str, ...]]:
-    if body.logprobs:
-        raise ApiError(400, "logprobs are not supported", param="logprobs")
-    try:
-        stops = body.stops()
-        params = SamplingParams(body.temperature, max(0, body.top_k), body.top_p, body.seed)
-    except (ValueError, SpecdraftError) as e:
-        raise ApiError(400, str(e)) from None
-    return params, stops
+def _authorizer(api_key: str | None) -> Callable[[Request], None]:
+    key = api_key.encode() if api_key is not None else None
+
+    def authorize(request: Request) -> None:
+        if key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        # Bytes, not str: compare_digest refuses non-ASCII text (headers arrive as latin-1).
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode("latin-1"), key):
+            raise ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+
+    return authorize
 
 
-async def _generate(request: Request, body: SamplingFields, ids: list[int], max_tokens: int | None, chat: bool,
-                    served: ServedModel, worker: EngineWorker) -> Response:
-    if body.model is not None and body.model != served.name:
-        raise ApiError(404, f"model {body.model!r} not found; this server serves {served.name!r}",
-                       code="model_not_found", param="model")
-    params, stops = _sampling(body)
-    if max_tokens is None:  # chat: the rest of the context (OpenAI's default); completions: 16
-        max_tokens = max(1, served.engine.room - len(ids)) if chat else DEFAULT_COMPLETION_TOKENS
-    req = EngineRequest(ids, max_tokens, params, stops)
+def _request_body(model) -> dict:
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _openapi_document(app: FastAPI) -> Callable[[], dict]:
+    """FastAPI's document, with the request bodies' nested schemas where their references point."""
+    def document() -> dict:
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatRequest):
+                schemas.update(model.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {}))
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    return document
+
+
+async def _run(request: Request, job: Prepared, chat: bool, served: ServedModel, worker: EngineWorker) -> Response:
+    sink = Sink(asyncio.get_running_loop(), asyncio.Queue(), stream=job.stream)
     try:
-        served.engine.check(req)
-    except SpecdraftError as e:
-        raise ApiError(400, str(e), code="context_length_exceeded") from None
-    sink = Sink(asyncio.get_running_loop(), asyncio.Queue())
-    try:
-        worker.submit(req, sink)
+        worker.submit(job.request, sink)
     except QueueFull as e:
-        raise ApiError(429, str(e), "rate_limit_error", "queue_full") from None
+        raise ApiError(429, str(e), code="queue_full") from None
+    except Unavailable as e:
+        raise ApiError(503, str(e), code="shutting_down" if worker.fatal is None else "engine_failed") from None
     shaper = Shaper(served.name, chat)
-    if body.stream:
-        usage = body.stream_options is not None and body.stream_options.include_usage
-        stream = _stream(sink, req, shaper, TextStream(served.tokenizer, stops), served, worker, usage)
+    if job.stream:
+        stream = _stream(sink, job, shaper, TextStream(served.tokenizer, job.stops), served, worker)
         return StreamingResponse(stream, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    while True:
-        try:
-            event = await asyncio.wait_for(sink.events.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                worker.abort(req.id)  # nobody is listening: free the row
-                return Response(status_code=499)
-            continue
-        if event[0] == "done":
-            r = event[1]
-            return JSONResponse(shaper.response(r, r.text, spec_stats(r, served.drafter, served.k)))
-        if event[0] == "error":
-            _, status, message = event
-            raise ApiError(status, message, "invalid_request_error" if status < 500 else "server_error")
+    gone = asyncio.ensure_future(disconnected(request.receive))
+    answered = False
+    try:
+        while True:
+            getter = asyncio.ensure_future(sink.events.get())
+            await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():
+                getter.cancel()
+                return Response(status_code=CLIENT_GONE)
+            event = getter.result()
+            if event[0] == "done":
+                answered = True
+                r = event[1]
+                return JSONResponse(shaper.response(r, r.text, spec_stats(r, served.drafter, served.k)))
+            if event[0] == "error":
+                answered = True
+                _, status, message, code = event
+                raise ApiError(status, message, code=code)
+    finally:
+        gone.cancel()
+        if not answered:  # the client hung up (or the server cancelled the handler): free the row
+            worker.abort(job.request.id)
 
 
-async def _stream(sink: Sink, req: EngineRequest, shaper: Shaper, text: TextStream, served: ServedModel,
-                  worker: EngineWorker, usage: bool):
+async def _stream(sink: Sink, job: Prepared, shaper: Shaper, text: TextStream, served: ServedModel,
+                  worker: EngineWorker):
     finished = False
     try:
         if shaper.chat:
-            yield sse(shaper.chunk(None, [], with_usage=usage))
+            yield sse(shaper.chunk(None, [], with_usage=job.usage))
         while True:
             event = await sink.events.get()
             if event[0] == "tokens":
                 pieces = text.push(event[1], event[2])
                 if pieces:
-                    yield sse(shaper.chunk("".join(t for t, _ in pieces), pieces, with_usage=usage))
+                    yield sse(shaper.chunk("".join(t for t, _ in pieces), pieces, with_usage=job.usage))
             elif event[0] == "done":
                 finished = True
                 r = event[1]
                 pieces = text.finish(r.text)
                 ext = spec_stats(r, served.drafter, served.k)
-                yield sse(shaper.chunk("".join(t for t, _ in pieces), pieces, FINISH[r.finish_reason], usage,
+                yield sse(shaper.chunk("".join(t for t, _ in pieces), pieces, FINISH[r.finish_reason], job.usage,
                                        ext | {"pieces": pieces}))
-                if usage:
+                if job.usage:
                     yield sse(shaper.usage_chunk(r, ext))
                 yield sse("[DONE]")
                 return
             else:
                 finished = True
-                yield sse(error(event[2], "server_error" if event[1] >= 500 else "invalid_request_error"))
+                _, status, message, code = event
+                yield sse(error(message, error_type(status), code))
                 yield sse("[DONE]")
                 return
     finally:
         if not finished:  # the client went away mid-stream: free its row
-            worker.abort(req.id)
+            worker.abort(job.request.id)
 
 
-def _install_error_handlers(app: FastAPI, state: _State) -> None:
-    @app.middleware("http")
-    async def count_and_limit(request: Request, call_next):
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-            response = JSONResponse(error(f"request body over {MAX_BODY_BYTES} bytes", code="body_too_large"), 413)
-        else:
-            try:
-                response = await call_next(request)
-            except Exception:  # an error in a handler that no handler caught: JSON, not a traceback
-                log.exception("unhandled error")
-                response = JSONResponse(error("internal server error", "server_error"), 500)
-        path = request.url.path if request.url.path in ENDPOINTS else "other"
-        state.metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
-
+def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body, e.status)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
-        if first.get("type") == "json_invalid":
-            return JSONResponse(error(f"invalid JSON body: {first.get('ctx', {}).get('error', first['msg'])}"), 400)
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        field = ".".join(loc)
-        message = f"{field or 'request body'}: {first['msg']}"
-        return JSONResponse(error(message, param=field or None), 400)
+        field, message = validation_message(e.errors())
+        return JSONResponse(error(message, param=field), 400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:

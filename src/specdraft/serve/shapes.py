@@ -21,6 +21,21 @@ def error(message: str, type_: str = "invalid_request_error", code: str | None =
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def error_type(status: int) -> str:
+    """OpenAI's error type for an HTTP status."""
+    return {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_error",
+            503: "service_unavailable"}.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape with this status."""
+
+    def __init__(self, status: int, message: str, type_: str | None = None, code: str | None = None,
+                 param: str | None = None):
+        super().__init__(message)
+        self.status, self.body = status, error(message, type_ or error_type(status), code, param)
+
+
 def usage(r: GenerationResult) -> dict:
     n_prompt, n_new = len(r.prompt_ids), len(r.token_ids)
     return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}

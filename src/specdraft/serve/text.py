@@ -9,9 +9,30 @@ At the end, the engine's final text is authoritative: whatever was not sent yet 
 
 from __future__ import annotations
 
+import functools
+
 from specdraft.tokenizer import StreamDecoder, Tokenizer
 
 Piece = tuple[str, str]  # (text, source)
+
+
+def encode(tok: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Tokenizer.encode holds the GIL for the whole call (seconds for megabytes of text); the
+    HF tokenizer's batch call releases it, so the event loop keeps answering meanwhile."""
+    inner = getattr(tok, "_tok", None)
+    if inner is None or not hasattr(inner, "encode_batch"):
+        return tok.encode(text, add_special_tokens=add_special_tokens)
+    return inner.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token_chars(tok: Tokenizer) -> int | None:
+    """Characters in the vocabulary's longest token string (None if unknown). A token's string
+    holds at least as many characters as its text (byte-level and byte-fallback tokens more)."""
+    inner = getattr(tok, "_tok", None)
+    if inner is None or not hasattr(inner, "get_vocab"):
+        return None
+    return max((len(t) for t in inner.get_vocab(with_added_tokens=True)), default=None)
 
 
 class TextStream:

@@ -56,9 +56,16 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_server(model: ServedModel, **app_kwargs):
     """A real uvicorn server in a thread; yields its base URL once /health says ok."""
+    with serving(create_app(lambda: model, **app_kwargs)) as (url, _):
+        yield url
+
+
+@contextlib.contextmanager
+def serving(app, make_server=None):
+    """`app` served by uvicorn in a thread (or by make_server(app, port)); yields (URL, server)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(lambda: model, **app_kwargs), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = (make_server(app, port) if make_server is not None else
+              uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
@@ -70,10 +77,10 @@ def running_server(model: ServedModel, **app_kwargs):
         assert time.time() < deadline, "server did not come up"
         time.sleep(0.05)
     try:
-        yield url
+        yield url, server
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=15)
 
 
 @pytest.fixture(scope="module")
@@ -201,17 +208,67 @@ BAD_REQUESTS = [
     ({"prompt": "w1 " * 200, "max_tokens": 4}, 400, "context"),
     ({"prompt": "w1", "max_tokens": 100000}, 400, "context"),
     ({"prompt": "w1", "model": "gpt-4"}, 404, "not found"),
+    # Text must be valid Unicode: a lone surrogate is the client's mistake, not a tokenizer crash.
+    ('{"prompt": "w1 \\ud800"}', 400, "lone surrogate"),
+    ('{"prompt": ["\\udfff"]}', 400, "lone surrogate"),
+    ('{"prompt": "w1", "stop": "\\ud800"}', 400, "lone surrogate"),
+    # Parameters that would change the output and are not implemented: refused, not ignored.
+    ({"prompt": "w1", "logit_bias": {"5": 100}}, 400, "logit_bias is not supported"),
+    ({"prompt": "w1", "suffix": "w2"}, 400, "suffix is not supported"),
+    ({"prompt": "w1", "best_of": 3}, 400, "best_of is not supported"),
+    ({"prompt": "w1", "best_of": True}, 400, "best_of is not supported"),
+    ({"prompt": "w1", "min_p": 0.1}, 400, "min_p is not supported"),
+    ({"prompt": "w1", "response_format": {"type": "json_object"}}, 400, "response_format is not supported"),
+    ({"prompt": "w1", "top_logprobs": 2}, 400, "top_logprobs is not supported"),
+    # Malformed in ways a parser can trip on.
+    ("[" * 100_000 + "]" * 100_000, 400, "invalid JSON"),
+    (b'{"prompt": "w1 \xff"}', 400, "invalid JSON"),
+    ('{"prompt": "w1", "max_tokens": ' + "9" * 5000 + "}", 400, "invalid JSON"),
+    ("[1, 2]", 400, "request body"),
 ]
 
 
-@pytest.mark.parametrize("body,status,words", BAD_REQUESTS)
+@pytest.mark.parametrize("body,status,words", BAD_REQUESTS, ids=lambda x: str(x)[:40] if isinstance(x, (str, bytes)) else None)
 def test_user_mistakes_are_4xx_in_openai_shape(url, body, status, words) -> None:
-    content = body if isinstance(body, str) else json.dumps(body)
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
     r = httpx.post(url + "/v1/completions", content=content, headers={"Content-Type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and words in err["message"], err
     assert "Traceback" not in r.text
+
+
+def test_neutral_values_of_refused_parameters_are_accepted(client, tiny) -> None:
+    text, _ = expected_text(tiny, PROMPTS[0], 6)
+    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0, best_of=1,
+                                  suffix="", logit_bias={}, extra_body={"min_p": 0.0, "tools": None})
+    assert r.choices[0].text == text
+
+
+@pytest.mark.parametrize("fields", [{"temperature": 1e-38}, {"temperature": 5e-324}, {"temperature": 1e-31},
+                                    {"temperature": 1.0, "top_p": 1e-46}, {"temperature": 0.7, "top_p": 1e-38}])
+def test_settings_that_underflow_in_float32_are_greedy(url, tiny, fields) -> None:
+    # Sampling runs in float32: these once became 0 there, and the row sampled from NaN (empty text).
+    text, ids = expected_text(tiny, PROMPTS[1], 12)
+    for stream in (False, True):
+        body = {"prompt": PROMPTS[1], "max_tokens": 12, "seed": 3, "stream": stream} | fields
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]["text"] if not stream else "".join(
+            json.loads(line[6:])["choices"][0]["text"] for line in r.text.splitlines()
+            if line.startswith("data: {"))
+        assert got == text and text
+
+
+def test_the_context_limit_is_max_model_len(url, tiny) -> None:
+    room = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    assert room == 128 - NgramDrafter().max_drafts(3) - 1  # --max-context less the widest round + 1
+    n = len(Tokenizer(tiny.folder).encode(PROMPTS[0]))
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": room - n, "temperature": 0})
+    assert r.status_code == 200
+    r = httpx.post(url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": room - n + 1})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert f"context of {room} tokens" in r.json()["error"]["message"]
 
 
 def test_other_http_mistakes(url) -> None:
@@ -284,8 +341,35 @@ def test_full_queue_is_429_and_a_disconnect_frees_the_row(tiny) -> None:
             time.sleep(0.05)
         values = metric_values(httpx.get(u + "/metrics").text)
         assert values["specdraft_generation_tokens_total"] < 200
+        assert values["specdraft_batch_size"] == 0  # updated by the abort itself, not the next request
         r = httpx.post(u + "/v1/completions", json={"prompt": "w1", "max_tokens": 2, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def wait_for_metric(url: str, name: str, at_least: float, timeout: float = 10) -> dict[str, float]:
+    deadline = time.time() + timeout
+    while True:
+        values = metric_values(httpx.get(url + "/metrics").text)
+        if values.get(name, 0) >= at_least:
+            return values
+        assert time.time() < deadline, f"{name} never reached {at_least}"
+        time.sleep(0.05)
+
+
+def test_a_non_streamed_request_whose_client_hangs_up_frees_its_row(tiny) -> None:
+    model = served(tiny, max_batch_size=1, max_context=256)
+    model.engine = SlowEngine(tiny.ours, model.tokenizer, None, max_batch_size=1, capacity=256)
+    with running_server(model, max_queue=0) as u:
+        body = json.dumps({"prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0}).encode()
+        with socket.create_connection(("127.0.0.1", int(u.rsplit(":", 1)[1]))) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            wait_for_metric(u, "specdraft_batch_size", 1)  # generating now
+        values = wait_for_metric(u, 'specdraft_finished_requests_total{reason="abort"}', 1)
+        assert values["specdraft_generation_tokens_total"] < 200
+        assert metric_values(httpx.get(u + "/metrics").text)["specdraft_batch_size"] == 0
+        r = httpx.post(u + "/v1/completions", json={"prompt": "w1", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200  # the row is free again (the batch holds one)
 
 
 def test_api_key(tiny) -> None:
@@ -298,6 +382,17 @@ def test_api_key(tiny) -> None:
         assert good.completions.create(model="tiny", prompt="w1", max_tokens=2).usage.completion_tokens >= 1
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=u + "/v1", api_key="nope", max_retries=0).models.list()
+        # Non-ASCII credentials are a wrong key (401), not a crash in the comparison.
+        r = httpx.post(u + "/v1/completions", json={"prompt": "w1"}, headers={"Authorization": "Bearer clé".encode()})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        # Everything but /health and the page needs the key: metrics and the API's schema too.
+        for path in ("/metrics", "/openapi.json", "/v1/models"):
+            assert httpx.get(u + path).status_code == 401, path
+            assert httpx.get(u + path, headers={"Authorization": "Bearer sekret"}).status_code == 200, path
+        assert httpx.get(u + "/").status_code == 200
+        schema = httpx.get(u + "/openapi.json", headers={"Authorization": "Bearer sekret"}).json()
+        assert "prompt" in schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"][
+            "application/json"]["schema"]["properties"]
 
 
 def test_chat_without_a_template_is_400(tmp_path) -> None:

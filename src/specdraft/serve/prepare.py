@@ -84,8 +84,10 @@ def parse(raw: bytes, model: type[M]) -> M:
 
 
 def validation_message(errors: list) -> tuple[str | None, str]:
-    """(field, "field: what is wrong") for the first of pydantic's errors."""
-    first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
+    """(field, "field: what is wrong") for the first of pydantic's errors; of a union's, the one
+    our own checks raised (a lone surrogate in a list says more than "not a string")."""
+    ours = [e for e in errors if e.get("type") == "value_error"]
+    first = (ours or errors or [{"msg": "invalid request", "loc": ()}])[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     loc = [p for p in loc if p.isdigit() or (p.isidentifier() and p not in _TYPE_TAGS)]
     field = ".".join(loc) or None

@@ -30,10 +30,10 @@ FP32 = torch.float32
 
 @pytest.fixture(scope="session", autouse=True)
 def _costs_out_of_the_user_cache(tmp_path_factory):
-    """The adaptive draft policy's measured step costs go to a session temp dir, not
+    """The adaptive draft policy's measured step costs go to a temp dir of the test run, not
     $SPECDRAFT_CACHE/costs: tests time tiny throwaway models whose tables would pile up in the
     user's cache. $SPECDRAFT_CACHE itself stays (the converted real model is reused from there)."""
-    from specdraft.speculative.policy import COSTS_ENV
+    from specdraft.speculative.costs import COSTS_ENV
 
     saved = os.environ.get(COSTS_ENV)
     os.environ[COSTS_ENV] = str(tmp_path_factory.mktemp("costs"))

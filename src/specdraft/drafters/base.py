@@ -7,6 +7,8 @@ draft was drawn from (rejection sampling needs it); argmax drafters return none.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +91,12 @@ class Draft:
 class Drafter:
     """Base class. `propose` is the only required method."""
 
-    kind: str = "none"
+    kind: str = "none"  # the --drafter name it runs as (drafters/kinds.py)
+    # Where its own drafts come from, as the draft policy tells sources apart (their acceptance
+    # differs): "mtp" (an MTP drafter), "lookup" (prompt lookup) or "draft" (a draft model).
+    source: str = "draft"
+    # Whether some rounds' drafts are prompt lookups instead (Draft.lookup says which rows).
+    mixes_lookups: bool = False
 
     def prepare(self, batch_size: int, capacity: int) -> None:
         """Called once per batch before the first round (allocate per-batch state here).
@@ -118,3 +125,19 @@ class Drafter:
     def nbytes(self) -> int:
         """Memory the drafter adds (parameters and buffers), for honest overhead reports."""
         return 0
+
+    # --- what the draft policy's cost model asks of a drafter -------------------------------------
+    def cost_key(self) -> str:
+        """What one drafting step's time depends on: the cost table keeps drafters apart by it."""
+        return f"{type(self).__name__}:{self.kind}:{self.nbytes()}"
+
+    def step_drafter(self) -> "Drafter":
+        """The drafter whose steps cost time, as a cost profile times it: this one, or the part
+        of a combined drafter that runs a network (lookups are free)."""
+        return self
+
+    @contextmanager
+    def without_early_stop(self) -> Iterator[None]:
+        """Meanwhile every round drafts all the steps it is asked for. A cost profile drafts on
+        random text, where a drafter that stops when unsure would end its timed rounds early."""
+        yield

@@ -14,6 +14,8 @@ exact distribution its drafts came from (a point mass for looked-up tokens).
 
 from __future__ import annotations
 
+from typing import ContextManager
+
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +32,8 @@ MAX_NGRAM = 3
 
 class MTPWithLookup(Drafter):
     kind = "mtp+ngram"
+    source = "mtp"
+    mixes_lookups = True
 
     def __init__(self, mtp: MTPDrafter, lookup_tokens: int = LOOKUP_TOKENS, min_match: int = MIN_MATCH,
                  max_ngram: int = MAX_NGRAM):
@@ -44,6 +48,21 @@ class MTPWithLookup(Drafter):
 
     def nbytes(self) -> int:
         return self.mtp.nbytes()
+
+    def cost_key(self) -> str:
+        return self.mtp.cost_key()  # lookups are free: the MTP steps cost
+
+    def step_drafter(self) -> Drafter:
+        return self.mtp
+
+    def without_early_stop(self) -> ContextManager[None]:
+        return self.mtp.without_early_stop()
+
+    def set_min_confidence(self, value: float) -> None:
+        self.mtp.set_min_confidence(value)
+
+    def set_top_k_clusters(self, top_k: int) -> None:
+        self.mtp.set_top_k_clusters(top_k)
 
     def prepare(self, batch_size: int, capacity: int) -> None:
         self.mtp.prepare(batch_size, capacity)

@@ -44,6 +44,7 @@ def prompt_lookup(tokens: torch.Tensor, seq_len: torch.Tensor, active: torch.Ten
 
 class NgramDrafter(Drafter):
     kind = "ngram"
+    source = "lookup"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

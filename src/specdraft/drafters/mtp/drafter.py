@@ -8,12 +8,16 @@ undo.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from specdraft.drafters.base import Draft, Drafter, DraftInput, SparseProbs
 from specdraft.drafters.mtp.copy import RoundCopies, add_copies, host_copy_columns
 from specdraft.drafters.mtp.head import score
 from specdraft.drafters.mtp.network import DraftStep, LayerContext, MTPNetwork
+from specdraft.errors import SpecdraftError
 from specdraft.kv_cache import attention_span
 from specdraft.models.kernels.build import applies as kernels_apply
 from specdraft.models.kernels.score_rows import draft_head
@@ -99,6 +103,7 @@ class MTPDrafter(Drafter):
     eighteenth session). Verification is unchanged, so the output is still the target's."""
 
     kind = "mtp"
+    source = "mtp"
 
     def __init__(self, net: MTPNetwork, target: torch.nn.Module, sources: list[AttentionLayout],
                  min_confidence: float | None = None, copy_below: float | None = None):
@@ -112,6 +117,35 @@ class MTPDrafter(Drafter):
 
     def nbytes(self) -> int:
         return self.net.nbytes()
+
+    def cost_key(self) -> str:
+        """A clustered head's step reads the rows of the clusters it keeps: their count counts too."""
+        kept = f":top{self.net.config.top_k_clusters}" if self.net.config.clustered else ""
+        return super().cost_key() + kept
+
+    @contextmanager
+    def without_early_stop(self) -> Iterator[None]:
+        stop = self.min_confidence
+        self.min_confidence = 0.0
+        try:
+            yield
+        finally:
+            self.min_confidence = stop
+
+    def set_min_confidence(self, value: float) -> None:
+        """Override the config's early stop (0: every round drafts K)."""
+        if not 0 <= value <= 1:  # NaN fails too
+            raise SpecdraftError(f"min_confidence {value} must be between 0 and 1 (0: no early stop)")
+        self.min_confidence = value
+
+    def set_top_k_clusters(self, top_k: int) -> None:
+        """Override how many clusters a clustered head keeps per draft step."""
+        head = self.net.masked_embedding
+        if head is None:
+            raise SpecdraftError("this drafter has a dense head (no clusters to keep)")
+        if not 1 <= top_k <= head.num_centroids:
+            raise SpecdraftError(f"top-k clusters must be between 1 and {head.num_centroids}, got {top_k}")
+        head.top_k = top_k
 
     def head_table_and_input(self, z: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.net.config.head == "own":

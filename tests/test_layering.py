@@ -20,8 +20,8 @@ SKIP_IMPORT = {"specdraft.__main__"}  # running it is the CLI itself
 # Top to bottom; a module may import its own layer and those below. Modules directly under
 # specdraft/ (config, tokenizer, sampling, kv_cache, errors...) are the ground floor, 0. Inside
 # models/, kernels know nothing of weight formats, and formats nothing of architectures.
-LAYER = {"cli": 6, "serve": 6, "bench": 5, "training": 5, "runtime": 4, "speculative": 3, "drafters": 2,
-         "loading": 1.5, "models": 1.4, "models.architectures": 1.3, "models.formats": 1.2,
+LAYER = {"cli": 6, "serve": 6, "bench": 5, "training": 5, "runtime": 4, "engine_builder": 4, "speculative": 3,
+         "drafters": 2, "loading": 1.5, "models": 1.4, "models.architectures": 1.3, "models.formats": 1.2,
          "models.kernels": 1.1}
 
 

@@ -22,10 +22,12 @@ from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
 from specdraft.speculative.request import Request
 from specdraft.speculative.verify import HEAD_BLOCK, SAMPLED_HEAD_BLOCK
-from specdraft.speculative.policy import (LEARNING_RATE, POOL_RATE, POOL_RELAX, RELAX, SAMPLED_LEARNING_RATE,
-                                          SAMPLED_RELAX, STEADY_LEARNING_RATE, STEADY_RELAX, STEADY_SOURCES, AdaptivePolicy,
-                                          FixedPolicy, MeasuredCosts, by_confidence, cost_key, cpu_identity, first_rows,
-                                          head_sizes, monotone, profiled_widths, row_buckets)
+from specdraft.speculative.acceptance import (LEARNING_RATE, POOL_RATE, POOL_RELAX, RELAX, SAMPLED_LEARNING_RATE,
+                                              SAMPLED_RELAX, STEADY_LEARNING_RATE, STEADY_RELAX, STEADY_SOURCES)
+from specdraft.speculative.costs import (MeasuredCosts, cost_key, cpu_identity, head_sizes, monotone, profiled_widths,
+                                         row_buckets)
+from specdraft.speculative.policy import AdaptivePolicy, FixedPolicy
+from specdraft.speculative.profiling import by_confidence, first_rows
 
 
 class FakeCosts:
@@ -391,7 +393,7 @@ def test_a_table_timed_under_load_is_measured_again(gemma_tiny, tmp_path, monkey
     that now runs well under its stored time (the table was measured on a busy machine) has the
     whole table measured afresh; a table no faster now is kept, cells too short to judge are not
     judged, and a second engine in the process does not check again."""
-    from specdraft.speculative import policy
+    from specdraft.speculative import costs as cost_tables
 
     model, drafter = gemma_tiny.ours, NgramDrafter()
     key = cost_key("tiny", "folder", "dtype", "float32", torch.device("cpu"))
@@ -404,45 +406,45 @@ def test_a_table_timed_under_load_is_measured_again(gemma_tiny, tmp_path, monkey
         for w, f in scale.items():
             data["target"]["1"][str(w)] *= f
         first.path.write_text(json.dumps(data))
-        policy._RECHECKED.discard(first.path)  # a new process
+        cost_tables._RECHECKED.discard(first.path)  # a new process
         costs = MeasuredCosts(key, tmp_path)
         costs.ensure(model, drafter, 1, 2, 2)
         return costs
 
     slowed = reload({2: 1000.0})  # one cell timed while something else ran
     assert slowed.profiled > 0 and slowed.target[1][2] < 100.0 * honest["target"]["1"]["2"]
-    monkeypatch.setattr(policy, "RECHECK_FLOOR", 0.0)
+    monkeypatch.setattr(cost_tables, "RECHECK_FLOOR", 0.0)
     faster = reload({1: 0.1, 2: 0.1, 3: 0.1})  # a table reading faster than now: kept
     assert faster.profiled == 0 and faster.target[1][1] == 0.1 * honest["target"]["1"]["1"]
-    monkeypatch.setattr(policy, "RECHECK_FLOOR", 1e9)
+    monkeypatch.setattr(cost_tables, "RECHECK_FLOOR", 1e9)
     unjudged = reload({2: 1000.0})  # every cell under the floor: not judged
     assert unjudged.profiled == 0
 
-    monkeypatch.setattr(policy, "RECHECK_FLOOR", 0.0)
+    monkeypatch.setattr(cost_tables, "RECHECK_FLOOR", 0.0)
     checks = []
     monkeypatch.setattr(MeasuredCosts, "timed_under_load", lambda self, model: checks.append(1) or False)
-    policy._RECHECKED.discard(first.path)
+    cost_tables._RECHECKED.discard(first.path)
     for _ in range(2):
         MeasuredCosts(key, tmp_path).ensure(model, drafter, 1, 2, 2)
     assert len(checks) == 1
 
 
-def test_runtime_builds_the_policy(tmp_path, monkeypatch):
-    """Runtime: adaptive by default, cached under $SPECDRAFT_CACHE/costs; fixed = the engine's own."""
-    from specdraft.runtime import Runtime
+def test_the_builder_builds_the_policy(tmp_path, monkeypatch):
+    """engine_builder: adaptive by default, cached under $SPECDRAFT_CACHE/costs; fixed = the engine's own."""
+    from specdraft.engine_builder import draft_policy
 
     monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path))
-    monkeypatch.delenv("SPECDRAFT_COSTS_DIR")  # conftest points it at a temp dir for the session
+    monkeypatch.delenv("SPECDRAFT_COSTS_DIR")  # conftest points it at a temp dir for the test run
     stub = SimpleNamespace(name="m", folder=tmp_path, weights="int8", dtype_name="bfloat16",
                            device=torch.device("cpu"))
-    policy = Runtime.draft_policy(stub)
+    policy = draft_policy(stub)
     assert isinstance(policy, AdaptivePolicy) and policy.costs.path.parent == tmp_path / "costs"
     monkeypatch.setenv("SPECDRAFT_COSTS_DIR", str(tmp_path / "elsewhere"))  # the tables alone can move
-    assert Runtime.draft_policy(stub).costs.path.parent == tmp_path / "elsewhere"
+    assert draft_policy(stub).costs.path.parent == tmp_path / "elsewhere"
     assert policy.costs.key["weights"] == "int8" and policy.costs.key["threads"] == torch.get_num_threads()
-    assert Runtime.draft_policy(stub, "fixed") is None
+    assert draft_policy(stub, "fixed") is None
     with pytest.raises(ValueError):
-        Runtime.draft_policy(stub, "sometimes")
+        draft_policy(stub, "sometimes")
 
 
 # --- the engine under the adaptive policy -------------------------------------------------------
@@ -660,21 +662,19 @@ def test_engine_reports_chances_only_when_sampling(llama_tiny, temperature):
 def test_a_drafter_keeping_other_clusters_is_profiled_apart(gemma_tiny, tmp_path):
     """A clustered head's draft step reads the rows of the clusters it keeps: the same weights
     with another top-k (a config edit) must not reuse the old step time."""
-    from specdraft.speculative.policy import drafter_key
-
     target, keys = gemma_tiny.ours, set()
     for top_k in (2, 4):
         cfg = drafter_config_for(target, hidden=32, layers=2, heads=4, head="target", clustered=True,
                                  num_centroids=16, top_k_clusters=top_k)
         save_network(init_network(cfg, target, seed=3), tmp_path / f"d{top_k}")
-        keys.add(drafter_key(MTPWithLookup(load_mtp_drafter(tmp_path / f"d{top_k}", target, torch.float32, "cpu"))))
+        keys.add(MTPWithLookup(load_mtp_drafter(tmp_path / f"d{top_k}", target, torch.float32, "cpu")).cost_key())
     assert len(keys) == 2 and all(k.endswith((":top2", ":top4")) for k in keys), keys
 
 
 def test_profile_cells_are_timed_in_turns_and_the_fastest_counts(monkeypatch):
     """A slow stretch of the machine must land on every width alike: the cells are called in
     turns (a, b, a, b, ...), not one after another, and each keeps its fastest call."""
-    from specdraft.speculative import policy
+    from specdraft.speculative import profiling
 
     clock, order = [0.0], []
     slow = {("a", 0): 5.0, ("b", 1): 5.0}  # one slow call each, at different turns
@@ -686,8 +686,8 @@ def test_profile_cells_are_timed_in_turns_and_the_fastest_counts(monkeypatch):
             clock[0] += slow.get((key, turn), 1.0 if key == "a" else 2.0)
         return fn
 
-    monkeypatch.setattr(policy.time, "perf_counter", lambda: clock[0])
-    best = policy._fastest_each({"a": call("a"), "b": call("b")}, torch.device("cpu"), repeats=3)
+    monkeypatch.setattr(profiling.time, "perf_counter", lambda: clock[0])
+    best = profiling.fastest_each({"a": call("a"), "b": call("b")}, torch.device("cpu"), repeats=3)
     assert order == ["a", "b"] * 3
     assert best == {"a": 1.0, "b": 2.0}
 

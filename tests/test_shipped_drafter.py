@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from specdraft.drafters import load_drafter, shipped_drafter_path
+from specdraft.engine_builder import engine_for
 from specdraft.runtime import Runtime
 
 PROMPTS = [
@@ -33,8 +34,8 @@ def test_auto_uses_it_and_greedy_text_is_unchanged(runtime):
     assert kind == "mtp+ngram" and k >= 1
     assert drafter.nbytes() < 0.1 * runtime.nbytes()  # overhead stays a small fraction of the target
     ids = [runtime.tokenizer.encode(p) for p in PROMPTS]
-    plain = runtime.engine().generate(ids, 48)
-    fast = runtime.engine(drafter, k).generate(ids, 48)
+    plain = engine_for(runtime).generate(ids, 48)
+    fast = engine_for(runtime, drafter, k).generate(ids, 48)
     for a, b in zip(plain, fast):
         assert a.token_ids == b.token_ids
     # And it drafts something useful, not just losslessly.
@@ -52,7 +53,7 @@ def test_default_configuration_is_exact_too(batch: int):
     for kind in ("mtp+ngram", "mtp", "ngram"):
         drafter, _, k = load_drafter(rt, kind, None, None)
         for start in range(0, len(ids), batch):
-            got = rt.engine(drafter, k).generate(ids[start : start + batch], 40)
+            got = engine_for(rt, drafter, k).generate(ids[start : start + batch], 40)
             for a, b in zip(got, plain[start : start + batch]):
                 assert a.token_ids == b.token_ids, (kind, batch)
 
@@ -71,7 +72,7 @@ def default_runtime_and_plain() -> tuple[Runtime, list[list[int]], list]:
         float32_default = ("gguf-q8" if q8_act_linear.kernel_available() else "gguf") if build.available() else "fp16"
         assert rt.weights == ("int8" if rt.dtype == torch.bfloat16 else float32_default)
         ids = [rt.tokenizer.encode(p) for p in PROMPTS + ["Repeat after me: one two three, one two three,"]]
-        _DEFAULT.extend([rt, ids, rt.engine().generate(ids, 40)])
+        _DEFAULT.extend([rt, ids, engine_for(rt).generate(ids, 40)])
     return tuple(_DEFAULT)
 
 

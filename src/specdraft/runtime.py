@@ -131,28 +131,6 @@ class Runtime:
         packed = sum(getattr(m, "packed_nbytes", 0) for m in self.model.modules())  # FBGEMM's fp16 copies
         return sum(t.numel() * t.element_size() for t in tensors) + packed
 
-    def draft_policy(self, policy: str = "adaptive", progress: bool = False):
-        """The engine's draft policy: "adaptive" (width per round from step costs measured on this
-        machine, cached under $SPECDRAFT_CACHE/costs, and the acceptance seen so far) or "fixed"
-        (K every round, plain rounds from `speculate_below` rows)."""
-        from specdraft.speculative.policy import AdaptivePolicy, MeasuredCosts, cost_key
-
-        if policy == "fixed":
-            return None  # the engine builds its FixedPolicy from its own width and speculate_below
-        if policy != "adaptive":
-            raise ValueError(f"unknown draft policy {policy!r} (adaptive or fixed)")
-        key = cost_key(self.name, str(self.folder), self.weights, self.dtype_name, self.device)
-        return AdaptivePolicy(MeasuredCosts(key, progress=progress))
-
-    def engine(self, drafter=None, draft_tokens: int = 4, policy: str = "adaptive", progress: bool = False, **kwargs):
-        """An Engine over this target. With a drafter, `policy` says how many drafts a round
-        verifies (draft_policy); `kwargs` go to Engine (max_batch_size, capacity...)."""
-        from specdraft.speculative.engine import Engine
-
-        chosen = self.draft_policy(policy, progress) if drafter is not None else None
-        return Engine(self.model, self.tokenizer, drafter, draft_tokens, speculate_below=self.speculate_below,
-                      policy=chosen, **kwargs)
-
 
 def _has_blocks(name_or_path: str, folder: Path) -> bool:
     """Whether --weights gguf can load this model here: blocks saved by the conversion or a GGUF

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specdraft.engine_builder import BuiltEngine
 
 
 class Skip(Exception):
@@ -106,19 +110,17 @@ def cut_at_eos(ids: list[int], eos: set[int], max_new: int) -> tuple[list[int], 
 
 
 class SpecdraftMethod(Method):
-    def __init__(self, name: str, rt, drafter, draft_tokens: int, sampling: SamplingParams,
-                 policy: str = "fixed", eos_token_ids: list[int] | None = None):
+    def __init__(self, name: str, rt, built: BuiltEngine, sampling: SamplingParams,
+                 eos_token_ids: list[int] | None = None):
         super().__init__()
         self.name, self.rt, self.sampling = name, rt, sampling
         self.eos_token_ids = eos_token_ids  # None: the tokenizer's
-        self.engine = rt.engine(drafter, draft_tokens, policy=policy)
-        self.draft_tokens = draft_tokens if drafter is not None else 0
+        self.engine, self.draft_tokens = built.engine, built.draft_tokens
+        drafter = built.engine.drafter
         self.drafter_bytes = drafter.nbytes() if drafter is not None else None
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> BatchOutput:
-        e = self.engine
-        if e.drafter is not None:  # the adaptive policy's one-time cost profile stays out of the timing
-            e.policy.prepare(e.model, e.drafter, len(prompts), e.k, e.width)
+        self.engine.prepare_policy(len(prompts))  # the adaptive policy's one-time cost profile stays out of the timing
         cuda = self.rt.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -152,14 +154,14 @@ def measure_load(load):
 def build_specdraft(name: str, ctx: BenchContext) -> Method:
     """specdraft plain or with one of its drafters, or raise Skip."""
     from specdraft.bench import CONTROL, method_weights, split_method
-    from specdraft.drafters import load_drafter, shipped_drafter_path
+    from specdraft.drafters import shipped_drafter_path
+    from specdraft.engine_builder import build_engine
     from specdraft.loading.presets import PRESETS
-    from specdraft.runtime import Runtime
 
     rt = ctx.runtime(method_weights(name))
     base, folder = split_method(name)  # mtp@FOLDER: another drafter than the run's
     if base in ("plain", CONTROL):  # CONTROL: a second plain engine, the run's noise control
-        return SpecdraftMethod(name, rt, None, 0, ctx.sampling, eos_token_ids=ctx.eos_token_ids)
+        return SpecdraftMethod(name, rt, build_engine(rt, "none"), ctx.sampling, ctx.eos_token_ids)
     path, kind = None, base
     if base in ("mtp", "mtp+ngram"):
         # Only preset names have shipped drafters (a folder path would resolve to itself).
@@ -173,16 +175,16 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
         path = ctx.draft_model
         if path is None:
             raise Skip("no draft model: give --draft-model NAME|PATH")
-    try:
-        (drafter, kind, k), delta = measure_load(lambda: load_drafter(rt, kind, path, ctx.draft_tokens,
-                                                                      load_runtime=Runtime.load))
-    except SpecdraftError as e:
-        raise Skip(str(e)) from None
     # Named drafters run at their fixed K (the draft policy's yardsticks); `auto` is exactly what
     # --drafter auto does: the adaptive policy picks each round's width from measured costs.
     policy = "adaptive" if base == "auto" else "fixed"
-    method = SpecdraftMethod(name, rt, drafter, k, ctx.sampling, policy, ctx.eos_token_ids)
+    try:
+        built, delta = measure_load(lambda: build_engine(rt, kind, path, ctx.draft_tokens, policy))
+    except SpecdraftError as e:
+        raise Skip(str(e)) from None
+    method = SpecdraftMethod(name, rt, built, ctx.sampling, ctx.eos_token_ids)
     method.load_rss_delta = delta
+    drafter, kind, k = built.engine.drafter, built.drafter, built.draft_tokens
     if base == "auto":
         method.notes.append(f"auto = {kind}" + ("; adaptive draft width per round (0 = plain) from step costs "
                                                  "measured on this machine" if drafter else ""))

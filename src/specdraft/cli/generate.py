@@ -169,8 +169,7 @@ def check_draft_tokens(draft_tokens: int | None) -> None:
 
 
 def run(args) -> int:
-    from specdraft.drafters import load_drafter
-    from specdraft.runtime import Runtime
+    from specdraft.engine_builder import build_engine
     from specdraft.sampling import SamplingParams
     from specdraft.speculative.stats import merge
 
@@ -184,12 +183,12 @@ def run(args) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     prompts = collect_prompts(args)
     rt = load_target(args)
-    drafter, kind, k = load_drafter(rt, args.drafter, args.drafter_path, args.draft_tokens, load_runtime=Runtime.load)
+    # The adaptive policy's one-time step timings happen here, outside the speed summary.
+    built = build_engine(rt, args.drafter, args.drafter_path, args.draft_tokens, args.draft_policy,
+                         prepare_rows=min(args.batch_size, len(prompts)), progress=True)
+    engine, kind, k = built.engine, built.drafter, built.draft_tokens
     for note in ignored_flags(args, kind):
         print(f"specdraft: note: {note}", file=sys.stderr)
-    engine = rt.engine(drafter, k, policy=args.draft_policy, progress=True)
-    if drafter is not None:  # the adaptive policy's one-time step timings, outside the speed summary
-        engine.policy.prepare(rt.model, drafter, min(args.batch_size, len(prompts)), engine.k, engine.width)
     if args.chat and rt.tokenizer.chat_template is None:
         print(f"specdraft: note: {args.model} has no chat template; using plain text", file=sys.stderr)
     chat = args.chat and rt.tokenizer.chat_template is not None

@@ -17,18 +17,15 @@ def load_served(model: str, drafter: str, dtype: str, device: str, max_batch_siz
                 compile: bool = False, draft_policy: str = "adaptive", prefill_dtype: str = "auto") -> ServedModel:
     """Load the target and drafter and build the engine the server drives (compiled graphs and
     the draft policy's step costs are measured here, before the port opens, so no request waits)."""
-    from specdraft.drafters import load_drafter
+    from specdraft.engine_builder import build_engine
     from specdraft.runtime import Runtime
 
     rt = Runtime.load(model, dtype, device, weights=weights, compile=compile, prefill_dtype=prefill_dtype)
     if compile:
         rt.model.compiled_step.warm_up(max_batch_size)
-    found, kind, k = load_drafter(rt, drafter, drafter_path, draft_tokens, load_runtime=Runtime.load)
-    engine = rt.engine(found, k, policy=draft_policy, progress=True, max_batch_size=max_batch_size,
-                       capacity=max_context)
-    if found is not None:
-        engine.policy.prepare(rt.model, found, max_batch_size, engine.k, engine.width)
-    return ServedModel(model, engine, rt.tokenizer, kind, k if found is not None else 0)
+    built = build_engine(rt, drafter, drafter_path, draft_tokens, draft_policy, prepare_rows=max_batch_size,
+                         progress=True, max_batch_size=max_batch_size, capacity=max_context)
+    return ServedModel(model, built.engine, rt.tokenizer, built.drafter, built.draft_tokens)
 
 
 __all__ = ["ServedModel", "create_app", "load_served"]

@@ -129,6 +129,13 @@ class Engine:
         self.cache, self.hidden, self.slots, self.waiting, self.n_dec = None, None, [], deque(), 0
         return queued
 
+    def prepare_policy(self, rows: int) -> None:
+        """Let the draft policy measure what it needs for batches of up to `rows` rows now (the
+        adaptive policy's one-time step costs) rather than when the first batch starts, so that no
+        timed generation or served request waits on it."""
+        if self.drafter is not None:
+            self.policy.prepare(self.model, self.drafter, rows, self.k, self.width)
+
     def check(self, req: Request) -> None:
         """Raise SpecdraftError if the request cannot run here (add checks it too)."""
         self._check_request(req)

@@ -1,0 +1,63 @@
+"""From a loaded target to a ready engine: the one path `generate`, `serve` and `bench` take.
+
+    drafter = load_drafter(--drafter, --drafter-path, --draft-tokens)   (drafters/kinds.py)
+    policy  = adaptive (costs measured here) or fixed                    (speculative/policy.py)
+    engine  = Engine(target, drafter, K, policy)
+    engine.prepare_policy(rows)   the policy's one-time step timings, before anything is timed or served
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specdraft.drafters import load_drafter
+from specdraft.drafters.base import Drafter
+from specdraft.runtime import Runtime
+from specdraft.speculative.costs import MeasuredCosts, cost_key
+from specdraft.speculative.engine import Engine
+from specdraft.speculative.policy import AdaptivePolicy, DraftPolicy
+
+DRAFT_POLICIES = ("adaptive", "fixed")
+
+
+@dataclass
+class BuiltEngine:
+    engine: Engine
+    drafter: str  # the drafter kind that runs ("none": plain decoding; `auto` resolved)
+    draft_tokens: int  # K, the most drafts the drafter proposes a round (0 without a drafter)
+
+
+def draft_policy(rt: Runtime, policy: str = "adaptive", progress: bool = False) -> DraftPolicy | None:
+    """The engine's draft policy: "adaptive" (width per round from step costs measured on this
+    machine, cached under $SPECDRAFT_CACHE/costs, and the acceptance seen so far) or "fixed"
+    (None: the engine's own FixedPolicy, K every round, plain rounds from `rt.speculate_below` rows)."""
+    if policy == "fixed":
+        return None
+    if policy != "adaptive":
+        raise ValueError(f"unknown draft policy {policy!r} (adaptive or fixed)")
+    key = cost_key(rt.name, str(rt.folder), rt.weights, rt.dtype_name, rt.device)
+    return AdaptivePolicy(MeasuredCosts(key, progress=progress))
+
+
+def engine_for(rt: Runtime, drafter: Drafter | None = None, draft_tokens: int = 4, policy: str = "adaptive",
+               progress: bool = False, **engine_kwargs: Any) -> Engine:
+    """An Engine over this target with a loaded drafter (or none). With a drafter, `policy` says
+    how many drafts a round verifies (draft_policy); `engine_kwargs` go to Engine (max_batch_size,
+    capacity...)."""
+    chosen = draft_policy(rt, policy, progress) if drafter is not None else None
+    return Engine(rt.model, rt.tokenizer, drafter, draft_tokens, speculate_below=rt.speculate_below,
+                  policy=chosen, **engine_kwargs)
+
+
+def build_engine(rt: Runtime, drafter: str = "auto", drafter_path: str | None = None,
+                 draft_tokens: int | None = None, policy: str = "adaptive", prepare_rows: int | None = None,
+                 progress: bool = False, **engine_kwargs: Any) -> BuiltEngine:
+    """Load the drafter `drafter` names (a kind of drafters/kinds.py; a draft model is loaded with
+    Runtime.load), build the engine, and with `prepare_rows` let the policy measure its step costs
+    for batches of that many rows now, so that no timed generation or served request waits on it."""
+    found, kind, k = load_drafter(rt, drafter, drafter_path, draft_tokens, load_runtime=Runtime.load)
+    engine = engine_for(rt, found, k, policy, progress, **engine_kwargs)
+    if prepare_rows is not None:
+        engine.prepare_policy(prepare_rows)
+    return BuiltEngine(engine, kind, k if found is not None else 0)

@@ -283,7 +283,8 @@ async def _stream(sink: Sink, job: Prepared, shaper: Shaper, text: TextStream, s
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body, e.status)
+        # 408 and 413 leave part of the body unread: the connection cannot serve another request.
+        return JSONResponse(e.body, e.status, headers={"Connection": "close"} if e.status in (408, 413) else None)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:

@@ -90,9 +90,11 @@ class Guard:
 
 
 async def send_json(send, status: int, body: dict) -> None:
+    """The body is not read first: the connection closes after this answer."""
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": data})
 
 

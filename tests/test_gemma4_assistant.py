@@ -33,6 +33,7 @@ from gemma4_tiny import (  # noqa: E402
 from specdraft.config import FULL, SLIDING  # noqa: E402
 from specdraft.drafters.base import DraftInput  # noqa: E402
 from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network  # noqa: E402
+from specdraft.drafters.mtp.checkpoint import check_drafter_fits  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 from specdraft.loading import load_folder  # noqa: E402
 from specdraft.sampling import SamplingParams  # noqa: E402
@@ -65,7 +66,27 @@ def test_drafter_matches_transformers_assistant(target, clustered, tmp_path_fact
     ref_t, model = target
     ref_a, folder = _assistant(ref_t, tmp_path_factory, "assistant", use_ordered_embeddings=clustered)
     drafter = load_mtp_drafter(folder, model, torch.float32, "cpu")
-    window = ref_t.config.sliding_window
+    compare_drafts(ref_t, model, ref_a, drafter, ref_t.config.sliding_window, clustered)
+
+
+def test_assistant_uses_its_own_window_and_rope(target, tmp_path_factory):
+    """An assistant whose config states another sliding window and other RoPE thetas than its
+    target's queries with its own, as transformers' assistant does (the target's would give
+    other clusters and logits; the comparison below fails with them)."""
+    ref_t, model = target
+    rope = {SLIDING: {"rope_type": "default", "rope_theta": 500.0},
+            FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.5, "rope_theta": 20_000.0}}
+    ref_a, folder = _assistant(ref_t, tmp_path_factory, "own_attention", text_sliding_window=5,
+                               text_rope_parameters=rope)
+    drafter = load_mtp_drafter(folder, model, torch.float32, "cpu")
+    assert drafter.sources[0].window == 5 and drafter.sources[-1].window is None
+    assert drafter.sources[0].rope is not model.attention_layout(drafter.sources[0].layer).rope
+    compare_drafts(ref_t, model, ref_a, drafter, 5, clustered=True)
+
+
+def compare_drafts(ref_t, model, ref_a, drafter, window: int, clustered: bool) -> None:
+    """Three greedy draft steps of ours and of transformers' assistant on the same inputs: the
+    target's hidden state at p, its K/V for 0..p (sliding layers: the last `window`)."""
     ids = torch.randint(3, 250, (2, 16), generator=torch.Generator().manual_seed(13))
     p = 13  # query position: more than `window` keys before it
 
@@ -170,3 +191,107 @@ def test_specdraft_written_drafter_reads_back_in_transformers(target, tmp_path):
     assert text.per_layer_config[full].num_key_value_heads == model.params.num_kv_heads[FULL]
     drafter = load_mtp_drafter(tmp_path, model, torch.float32, "cpu")
     assert drafter.net.config.num_kv_heads == cfg.num_kv_heads and drafter.net.config.head_dim == cfg.head_dim
+
+
+# ---------------------------------------------------------------- checked before anything loads
+
+
+def _garbage_weights(folder) -> None:
+    """Replace a folder's weights with bytes no safetensors reader accepts."""
+    for f in folder.glob("*.safetensors"):
+        f.write_bytes(b"\x00garbage, not a safetensors file")
+
+
+def test_mismatched_pair_is_refused_from_the_configs_alone(target, tmp_path_factory):
+    """check_drafter_fits reads the two config.json files only: with both folders' weights
+    garbage, a mismatched pair is refused by name and a fitting pair passes."""
+    ref_t, _ = target
+    target_folder = tmp_path_factory.mktemp("garbage_target")
+    ref_t.save_pretrained(target_folder)
+    _garbage_weights(target_folder)
+    _, bad = _assistant(ref_t, tmp_path_factory, "garbage_bad", backbone_hidden_size=48, text_global_head_dim=16)
+    _, good = _assistant(ref_t, tmp_path_factory, "garbage_good")
+    for folder in (bad, good):
+        _garbage_weights(folder)
+    with pytest.raises(SpecdraftError, match=r"^drafter does not fit this target: backbone_hidden_size 48 != target "
+                                             r"hidden size 64; .*head_dim 16 != target layer \d+ head_dim 32") as e:
+        check_drafter_fits(bad, str(target_folder))
+    assert "\n" not in str(e.value)
+    assert check_drafter_fits(good, str(target_folder)).backbone_hidden_size == 64
+    with pytest.raises(SpecdraftError, match="cannot read safetensors"):  # the weights really are garbage
+        load_mtp_drafter(good, target[1], torch.float32, "cpu")
+
+
+def _rewrite_ordering(folder, order: torch.Tensor) -> None:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(folder / "model.safetensors"))
+    state["masked_embedding.token_ordering"] = order
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_int32_token_ordering_is_widened_for_the_head(target, tmp_path_factory):
+    """An int32 token_ordering (as some exports write it) loads as the int64 ids the head's C
+    call reads, and drafts exactly what the int64 file drafts."""
+    ref_t, model = target
+    ref_a, folder = _assistant(ref_t, tmp_path_factory, "ordering64")
+    narrow = tmp_path_factory.mktemp("ordering32")
+    ref_a.save_pretrained(narrow)
+    _rewrite_ordering(narrow, ref_a.masked_embedding.token_ordering.to(torch.int32))
+    wide, thin = (load_mtp_drafter(f, model, torch.float32, "cpu") for f in (folder, narrow))
+    order = thin.net.masked_embedding.token_ordering
+    assert order.dtype == torch.int64 and torch.equal(order, wide.net.masked_embedding.token_ordering)
+    ids = torch.randint(3, 250, (2, 12), generator=torch.Generator().manual_seed(16))
+    cache = model.new_cache(2, 20)
+    hidden = model(ids, cache)
+    inp = DraftInput(ids[:, 11], hidden[:, 10], torch.full((2,), 10), cache, torch.zeros(2, 20, dtype=torch.long),
+                     torch.ones(2, dtype=torch.bool))
+    a, b = (d.propose(inp, 3, SamplingParams(), None) for d in (wide, thin))
+    assert a.tokens.tolist() == b.tokens.tolist()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda o: o.float(), r"token_ordering has dtype float32; expected int32 or int64"),
+    (lambda o: torch.cat([o[:1], o[:-1]]), r"token_ordering is not a permutation of range\(256\): id \d+ appears 2 "
+                                           r"times and 1 id\(s\) never"),
+    (lambda o: torch.where(o == 7, 256, o), r"not a permutation of range\(256\): 1 id\(s\) outside it"),
+    (lambda o: o[:128], r"token_ordering has shape \(128,\); expected \(256,\)"),
+], ids=["float", "repeated", "outside", "short"])
+def test_bad_token_ordering_is_refused_in_one_line(target, tmp_path_factory, bad, message):
+    ref_t, model = target
+    ref_a, folder = _assistant(ref_t, tmp_path_factory, "bad_ordering")
+    _rewrite_ordering(folder, bad(ref_a.masked_embedding.token_ordering.clone()))
+    with pytest.raises(SpecdraftError, match=message) as e:
+        load_mtp_drafter(folder, model, torch.float32, "cpu")
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- --device cuda:N (a real-size run's GPU)
+
+
+@pytest.mark.parametrize("cuda, count, name, message", [
+    (False, 0, "cuda:0", "--device cuda:0 requested but no CUDA device is available"),
+    (False, 0, "cuda", "--device cuda requested but no CUDA device is available"),
+    (True, 2, "cuda:2", r"--device cuda:2 requested but this machine has 2 CUDA device\(s\) \(cuda:0..cuda:1\)"),
+    (True, 2, "cuda:x", "unknown device 'cuda:x'"),
+    (True, 2, "cuda:-1", "unknown device 'cuda:-1'"),
+])
+def test_cuda_index_is_checked_like_cuda(monkeypatch, cuda, count, name, message):
+    """`cuda:N` gets the check `cuda` gets (and an index past the devices is refused) as a
+    one-line SpecdraftError, not a torch error later in the load."""
+    from specdraft.device import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    with pytest.raises(SpecdraftError, match=message) as e:
+        resolve_device(name)
+    assert "\n" not in str(e.value)
+
+
+def test_cuda_index_within_the_devices_is_accepted(monkeypatch):
+    from specdraft.device import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    assert resolve_device("cpu") == torch.device("cpu")

@@ -30,13 +30,23 @@ def cpu_has_bf16_units() -> bool:
 
 
 def resolve_device(name: str) -> torch.device:
+    """`auto`, `cpu`, `cuda` or `cuda:N` -> a device this machine has; anything else is a
+    one-line SpecdraftError (torch would accept `cuda:7` here and fail later, deep in a load)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SpecdraftError("--device cuda requested but no CUDA device is available (this torch build: "
+    if name == "cpu":
+        return torch.device("cpu")
+    index_text = name.removeprefix("cuda:") if name.startswith("cuda:") else None
+    if name != "cuda" and (index_text is None or not index_text.isdigit()):
+        raise SpecdraftError(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)")
+    if not torch.cuda.is_available():
+        raise SpecdraftError(f"--device {name} requested but no CUDA device is available (this torch build: "
                              f"{torch.__version__})")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise SpecdraftError(f"unknown device {name!r} (use auto, cpu or cuda)")
+    if index_text is not None:
+        count = torch.cuda.device_count()
+        if int(index_text) >= count:
+            raise SpecdraftError(f"--device {name} requested but this machine has {count} CUDA device(s) "
+                                 f"(cuda:0..cuda:{count - 1})")
     return torch.device(name)
 
 

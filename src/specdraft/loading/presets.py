@@ -62,7 +62,11 @@ PRESETS = {
 
 
 def is_converted(folder: Path) -> bool:
-    return all((folder / f).exists() for f in ("config.json", "model.safetensors", "tokenizer.json"))
+    """A complete converted folder: config, weights and tokenizer (a drafter's needs no tokenizer;
+    conversion renames a finished folder into place, so a config.json means it is complete)."""
+    if not all((folder / f).exists() for f in ("config.json", "model.safetensors")):
+        return False
+    return (folder / "tokenizer.json").exists() or '"gemma4_assistant"' in (folder / "config.json").read_text()
 
 
 def preset_dir(name: str) -> Path:
@@ -119,6 +123,31 @@ def gguf_source(name_or_path: str) -> Path | None:
         return PRESETS[name_or_path].locate_gguf()
     path = Path(name_or_path).expanduser()
     return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def model_config_dict(name_or_path: str) -> dict:
+    """The config.json of what `resolve_model` would load, without loading or converting it: a
+    folder's config.json, a converted preset's, else the GGUF's header (gguf_file.gguf_config)."""
+    import json
+
+    if name_or_path in PRESETS and is_converted(preset_dir(name_or_path)):
+        folder = preset_dir(name_or_path)
+    else:
+        gguf = gguf_source(name_or_path)
+        if gguf is not None:
+            from specdraft.loading.gguf_file import gguf_config
+
+            return gguf_config(gguf)
+        folder = Path(name_or_path).expanduser()
+        if not folder.is_dir():
+            resolve_model(name_or_path)  # the same one-line refusal a load would give
+    path = folder / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecdraftError(f"{folder}: folder has no config.json (expected a Hugging Face model folder)") from None
+    except json.JSONDecodeError as e:
+        raise SpecdraftError(f"{path}: invalid JSON ({e})") from None
 
 
 def resolve_model(name_or_path: str, progress: bool = True) -> Path:

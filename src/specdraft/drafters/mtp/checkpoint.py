@@ -1,7 +1,13 @@
-"""Loading and saving MTP drafters (Gemma 4 assistant layout), checked against their target."""
+"""Loading and saving MTP drafters (Gemma 4 assistant layout), checked against their target.
+
+A drafter path is a folder (config.json + safetensors) or a llama.cpp `gemma4-assistant` GGUF
+(converted once into a cache folder, loading/gguf_file.py). `check_drafter_fits` compares a
+drafter with a target from their configs alone, before either one's weights are read.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -9,21 +15,28 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from specdraft.config import FULL, SLIDING
-from specdraft.drafters.mtp.config import MTPConfig
+from specdraft.config import FULL, SLIDING, RopeParams
+from specdraft.drafters.mtp.config import MTPConfig, rope_dict
 from specdraft.drafters.mtp.drafter import MTPDrafter
+from specdraft.drafters.mtp.head import checked_token_ordering
 from specdraft.drafters.mtp.network import MTPNetwork, kernels_like_target
 from specdraft.errors import SpecdraftError
 from specdraft.drafters.mtp.source import kv_source
+from specdraft.models.architectures.rope import RopeTable
 from specdraft.models.architectures.target import AttentionLayout
 from specdraft.loading.weights import read_safetensors, safetensors_files
 
+# Reasons a folder is specdraft-only (config.specdraft_only), each naming the setting.
+ATTENTION_SCALE_REASON = "attention scale"
+
 
 def kv_sources(cfg: MTPConfig, target: torch.nn.Module) -> list[AttentionLayout]:
-    """The target layer each drafter layer reads, after checking the drafter fits it.
+    """The target layer each drafter layer reads, after checking the drafter fits it, with the
+    drafter's own RoPE and sliding window where its config states them (`own_attention`).
 
     Mismatches are refused by name: a drafter trained for another target would otherwise run
-    and silently draft garbage (still lossless, but slow).
+    and silently draft garbage (still lossless, but slow). Records the softmax scale of the
+    layers read in `cfg.attention_scale` (the saver's portability check needs it).
     """
     tc = target.config
     problems = []
@@ -46,24 +59,103 @@ def kv_sources(cfg: MTPConfig, target: torch.nn.Module) -> list[AttentionLayout]
             problems.append(f"{cfg.num_heads} query heads are not a multiple of the target's {src.num_kv_heads} KV heads")
     if problems:
         raise SpecdraftError("drafter does not fit this target: " + "; ".join(dict.fromkeys(problems)))
-    return sources
+    cfg.attention_scale = sources[0].scale if len({s.scale for s in sources}) == 1 else None
+    return own_attention(cfg, sources, target.config.max_position_embeddings)
+
+
+def own_attention(cfg: MTPConfig, sources: list[AttentionLayout], target_max_positions: int) -> list[AttentionLayout]:
+    """`sources` with the drafter's stated RoPE and window for its layers' queries, as
+    transformers' Gemma4AssistantForCausalLM computes them from its own text_config; the target's
+    where the drafter's config is silent. Equal settings keep the target's RoPE table (one
+    cos/sin table in memory, not two)."""
+    rope = cfg.rope()
+    max_positions = cfg.max_position_embeddings or target_max_positions
+    tables: dict[str, RopeTable] = {}  # per layer type
+    out = []
+    for layer_type, src in zip(cfg.layer_types, sources):
+        kind = layer_type if layer_type in (SLIDING, FULL) else FULL
+        table = src.rope
+        if rope is not None and kind in rope:
+            if kind not in tables:
+                same = _same_rope(src.rope, rope[kind], src.head_dim, max_positions)
+                tables[kind] = src.rope if same else RopeTable(rope[kind], cfg.head_dim[kind], max_positions)
+            table = tables[kind]
+        window = src.window
+        if kind == SLIDING and cfg.sliding_window is not None:
+            window = cfg.sliding_window
+        out.append(dataclasses.replace(src, rope=table, window=window))
+    return out
+
+
+def _same_rope(table: RopeTable, params: RopeParams, head_dim: int, max_positions: int) -> bool:
+    """Whether `params` give exactly `table`'s frequencies (then the table is shared)."""
+    from specdraft.models.architectures.rope import inverse_frequencies
+
+    inv, scaling = inverse_frequencies(params, head_dim, max_positions)
+    return scaling == table.scaling and inv.shape == table.inv_freq.shape and bool(torch.equal(inv, table.inv_freq))
 
 
 def read_drafter_config(folder: Path) -> MTPConfig:
+    """A drafter's config from its folder's config.json, or from a gemma4-assistant GGUF's header."""
+    if folder.is_file() and folder.suffix == ".gguf":
+        from specdraft.loading.gguf_file import assistant_config_dict
+
+        return MTPConfig.from_dict(assistant_config_dict(folder))
     path = folder / "config.json"
     if not path.exists():
-        raise SpecdraftError(f"{folder}: no config.json (expected an MTP drafter folder)")
+        raise SpecdraftError(f"{folder}: no config.json (expected an MTP drafter folder or a gemma4-assistant GGUF)")
     try:
         return MTPConfig.from_dict(json.loads(path.read_text()))
     except json.JSONDecodeError as e:
         raise SpecdraftError(f"{path}: invalid JSON ({e})") from None
 
 
+def check_drafter_fits(drafter: Path, target: str | Path) -> MTPConfig:
+    """Refuse a drafter that does not fit a target, from the two configs alone: no weights of
+    either are read, so a mismatched pair fails in a second, before a large target loads.
+
+    `drafter`: a drafter folder or a gemma4-assistant GGUF. `target`: what the target is loaded
+    from (a preset name, a Hugging Face folder or a .gguf file; only its config or header is
+    read). Raises a one-line SpecdraftError naming every mismatch (the same checks `kv_sources`
+    makes at load); returns the drafter's config."""
+    from specdraft.loading import build_model
+    from specdraft.loading.presets import model_config_dict
+    from specdraft.models.architectures.hf_config import read_model_config
+
+    drafter = Path(drafter).expanduser()
+    if not drafter.exists():
+        raise SpecdraftError(f"drafter path {drafter} does not exist")
+    cfg = read_drafter_config(drafter)
+    target_cfg = read_model_config(model_config_dict(str(target)))
+    with torch.device("meta"):  # the module tree only: shapes and RoPE settings, no weights
+        model = build_model(target_cfg)
+    kv_sources(cfg, model)
+    return cfg
+
+
+def _drafter_folder(path: Path) -> Path:
+    """A drafter folder: the path itself, or the cache folder a gemma4-assistant GGUF converts into."""
+    if path.is_file() and path.suffix == ".gguf":
+        from specdraft.loading.presets import ensure_gguf
+
+        return ensure_gguf(path)
+    if not path.is_dir():
+        raise SpecdraftError(f"drafter path {path} is not a folder or a .gguf file")
+    return path
+
+
 def load_network(folder: Path, target: torch.nn.Module, dtype: torch.dtype, device) -> tuple[MTPNetwork, list[AttentionLayout]]:
+    folder = _drafter_folder(Path(folder))
     cfg = read_drafter_config(folder)
     sources = kv_sources(cfg, target)
     state = read_safetensors(safetensors_files(folder))
     state.pop("lm_head.weight", None)  # tied to model.embed_tokens
+    if "masked_embedding.token_ordering" in state:  # before the shape check: its dtype is checked too
+        try:
+            state["masked_embedding.token_ordering"] = checked_token_ordering(state["masked_embedding.token_ordering"],
+                                                                              cfg.vocab_size)
+        except ValueError as e:
+            raise SpecdraftError(f"{folder}: {e}") from None
     with torch.device("meta"):
         net = MTPNetwork(cfg)
     expected = dict(net.named_parameters()) | dict(net.named_buffers())
@@ -77,23 +169,44 @@ def load_network(folder: Path, target: torch.nn.Module, dtype: torch.dtype, devi
             raise SpecdraftError(f"{folder}: tensor {name} has shape {tuple(state[name].shape)}, config implies {tuple(t.shape)}")
     converted = {n: (v.to(device) if not v.is_floating_point() else v.to(device=device, dtype=dtype)) for n, v in state.items()}
     net.load_state_dict(converted, strict=True, assign=True)
-    if net.masked_embedding is not None:
-        order = net.masked_embedding.token_ordering
-        if not torch.equal(torch.sort(order.cpu()).values, torch.arange(cfg.vocab_size)):
-            raise SpecdraftError(f"{folder}: token_ordering is not a permutation of the vocabulary")
     return net.eval().requires_grad_(False), sources
 
 
 def load_mtp_drafter(folder: Path, target: torch.nn.Module, dtype: torch.dtype, device) -> MTPDrafter:
-    if not folder.is_dir():
-        raise SpecdraftError(f"drafter path {folder} is not a folder")
-    net, sources = load_network(folder, target, dtype, device)
+    """A drafter from a folder or a gemma4-assistant GGUF, checked against `target`."""
+    net, sources = load_network(Path(folder), target, dtype, device)
     kernels_like_target(net, target)
     return MTPDrafter(net, target, sources)
 
 
+def specdraft_only_reasons(cfg: MTPConfig) -> list[str]:
+    """What in this drafter other engines (transformers' Gemma4AssistantForCausalLM, vLLM, SGLang,
+    llama.cpp) do not compute, so that they would draft differently or not load it; empty for a
+    folder they run as specdraft does. Inference hints (recommended_k, min_confidence, copy_below,
+    sampling_top_k_clusters) change no network output and keep a folder portable."""
+    reasons = []
+    if cfg.head == "target":
+        reasons.append("head 'target' (scores against the target's embedding table; others use the drafter's own "
+                       "tied table model.embed_tokens)")
+    if cfg.copy_gate:
+        reasons.append("copy_gate (a learned copy gate, tensors copy_gate.proj.*)")
+    if not cfg.q_norm:
+        reasons.append("q_norm false (others always RMS-normalise the drafter's queries)")
+    if cfg.attention_scale is not None and cfg.attention_scale != 1.0:
+        reasons.append(f"{ATTENTION_SCALE_REASON} {cfg.attention_scale:g} of the target layers it reads (a Gemma 4 "
+                       "assistant attends with scale 1, as Gemma 4 targets do)")
+    elif cfg.attention_scale is None:  # not measured against a target here: keep what the file said
+        reasons += [r for r in cfg.specdraft_only if r.startswith(ATTENTION_SCALE_REASON)]
+    return reasons
+
+
 def save_network(net: MTPNetwork, folder: Path) -> None:
+    """config.json + model.safetensors. A drafter other engines cannot run as specdraft does
+    (`specdraft_only_reasons`) is written with model_type "specdraft_mtp" and the reasons in
+    config.json, so that they refuse it rather than compute something else; a portable one keeps
+    the Gemma 4 assistant layout (model_type "gemma4_assistant") and loads in them as is."""
     folder.mkdir(parents=True, exist_ok=True)
+    net.config.specdraft_only = specdraft_only_reasons(net.config)
     (folder / "config.json").write_text(json.dumps(net.config.to_dict(), indent=2) + "\n")
     state = {n: t.detach().contiguous().cpu() for n, t in net.state_dict().items()}
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
@@ -178,12 +291,19 @@ def drafter_config_for(target: torch.nn.Module, hidden: int = 256, layers: int =
         num_centroids = tc.vocab_size // 128 if tc.vocab_size % 128 == 0 else None
         if num_centroids is None:
             raise SpecdraftError(f"vocabulary {tc.vocab_size} is not a multiple of 128; pass --clusters C dividing it")
+    # The attention settings its queries use, stated so that other engines read the same ones.
+    rope = {t: rope_dict(tc.rope[t]) for t in (SLIDING, FULL) if t in tc.rope}
+    sources = {t: kv_source(target, t) for t in dict.fromkeys(layer_types)}
+    window = next((s.window for s in sources.values() if s.window is not None), tc.sliding_window)
+    scales = {s.scale for s in sources.values()}
     return MTPConfig(
         backbone_hidden_size=tc.hidden_size, hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
         layer_types=layer_types, num_heads=heads, head_dim=head_dim, num_kv_heads=kv, vocab_size=tc.vocab_size,
         rms_norm_eps=tc.rms_norm_eps, clustered=clustered, num_centroids=num_centroids or 1,
         top_k_clusters=top_k_clusters, head=head, q_norm=kv_source(target, FULL).q_norm,
-        recommended_k=recommended_k,
+        recommended_k=recommended_k, sliding_window=window, rope_parameters=rope or None,
+        max_position_embeddings=tc.max_position_embeddings,
+        attention_scale=scales.pop() if len(scales) == 1 else None,
     )
 
 

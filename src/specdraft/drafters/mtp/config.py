@@ -13,6 +13,12 @@ specdraft's own additions live under the "specdraft" key, which other readers ig
   sampling_top_k_clusters: clusters a sampled draft step keeps (default: as greedy,
         centroid_intermediate_top_k). Greedy drafts need only the clusters that hold the argmax;
         a sampled draft is accepted with chance sum(min(P, Q)), and Q is 0 outside its clusters.
+  specdraft_only: why other engines cannot run this folder (written by the saver, see
+        `specdraft_only_reasons`); such folders also carry model_type "specdraft_mtp".
+
+The assistant's own `sliding_window`, `rope_parameters` and `max_position_embeddings` (in
+text_config) are what its queries use, as in transformers' Gemma4AssistantForCausalLM; a
+file that leaves one out (drafters written by older specdraft versions) takes the target's.
 """
 
 from __future__ import annotations
@@ -20,13 +26,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdraft.config import FULL, SLIDING
+from specdraft.config import FULL, SLIDING, RopeParams
 from specdraft.errors import SpecdraftError
 from specdraft.models.architectures.gemma4_config import head_shapes
 
 
 # The keys under "specdraft" that MTPConfig reads; others are kept in `extra` and written back.
-OWN_KEYS = ("head", "q_norm", "recommended_k", "min_confidence", "copy_below", "copy_gate", "sampling_top_k_clusters")
+OWN_KEYS = ("head", "q_norm", "recommended_k", "min_confidence", "copy_below", "copy_gate", "sampling_top_k_clusters",
+            "specdraft_only")
+# model_type of the layout other engines read, and of folders only specdraft runs (other
+# engines refuse an unknown model_type instead of running a network they would compute wrongly).
+PORTABLE_MODEL_TYPE = "gemma4_assistant"
+SPECDRAFT_MODEL_TYPE = "specdraft_mtp"
 
 
 def _optional_int(value: Any) -> int | None:
@@ -55,6 +66,15 @@ class MTPConfig:
     copy_below: float = 0.0
     copy_gate: bool = False
     sampling_top_k_clusters: int | None = None  # None: top_k_clusters
+    # The assistant's own attention settings; None where the file does not state them (the
+    # target's are used then). `rope_parameters` is kept as written, per layer type.
+    sliding_window: int | None = None
+    rope_parameters: dict[str, dict[str, Any]] | None = None
+    max_position_embeddings: int | None = None
+    # Set by the saver: what the network computes that other engines do not (empty: portable).
+    specdraft_only: list[str] = field(default_factory=list)
+    # The softmax scale of the target layers read, once known (checkpoint.kv_sources); not stored.
+    attention_scale: float | None = field(default=None, compare=False)
     extra: dict[str, Any] = field(default_factory=dict)  # anything else under "specdraft"
 
     @property
@@ -65,9 +85,15 @@ class MTPConfig:
     def cluster_size(self) -> int:
         return self.vocab_size // self.num_centroids
 
+    def rope(self) -> dict[str, RopeParams] | None:
+        """The stated RoPE per layer type (None: not stated; the target's applies)."""
+        if self.rope_parameters is None:
+            return None
+        return {t: RopeParams.from_dict(d) for t, d in self.rope_parameters.items()}
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "MTPConfig":
-        if raw.get("model_type") != "gemma4_assistant":
+        if raw.get("model_type") not in (PORTABLE_MODEL_TYPE, SPECDRAFT_MODEL_TYPE):
             raise SpecdraftError(
                 f"drafter config has model_type {raw.get('model_type')!r}; expected 'gemma4_assistant'"
             )
@@ -100,8 +126,13 @@ class MTPConfig:
                 copy_below=float(ours.get("copy_below", 0.0)),
                 copy_gate=bool(ours.get("copy_gate", False)),
                 sampling_top_k_clusters=_optional_int(ours.get("sampling_top_k_clusters")),
+                sliding_window=_optional_int(text.get("sliding_window")),
+                rope_parameters=_rope_parameters(text.get("rope_parameters")),
+                max_position_embeddings=_optional_int(text.get("max_position_embeddings")),
+                specdraft_only=list(ours.get("specdraft_only") or []),
                 extra={k: v for k, v in ours.items() if k not in OWN_KEYS},
             )
+            cfg.rope()  # an unsupported rope type is refused here, by name
         except (KeyError, TypeError, ValueError) as e:
             raise SpecdraftError(f"drafter config.json is missing or has a bad field: {e}") from None
         if len(types) != n:
@@ -121,11 +152,21 @@ class MTPConfig:
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
-        """The Gemma 4 assistant config.json for this drafter."""
+        """The Gemma 4 assistant config.json for this drafter: model_type "gemma4_assistant" when
+        other engines compute the same network from it, "specdraft_mtp" (with the reasons under
+        "specdraft") when `specdraft_only` is set."""
         sliding = self.layer_types and SLIDING in self.layer_types
+        portable = not self.specdraft_only
+        attention: dict[str, Any] = {}
+        if self.sliding_window is not None:
+            attention["sliding_window"] = self.sliding_window
+        if self.rope_parameters is not None:
+            attention["rope_parameters"] = self.rope_parameters
+        if self.max_position_embeddings is not None:
+            attention["max_position_embeddings"] = self.max_position_embeddings
         return {
-            "model_type": "gemma4_assistant",
-            "architectures": ["Gemma4AssistantForCausalLM"],
+            "model_type": PORTABLE_MODEL_TYPE if portable else SPECDRAFT_MODEL_TYPE,
+            "architectures": ["Gemma4AssistantForCausalLM" if portable else "SpecdraftMTPForCausalLM"],
             "backbone_hidden_size": self.backbone_hidden_size,
             "use_ordered_embeddings": self.clustered,
             "num_centroids": self.num_centroids,
@@ -153,11 +194,43 @@ class MTPConfig:
                 "vocab_size_per_layer_input": 0,
                 "enable_moe_block": False,
                 "use_double_wide_mlp": False,
+                **attention,
             },
             "specdraft": {"head": self.head, "q_norm": self.q_norm, "recommended_k": self.recommended_k,
                           **({"min_confidence": self.min_confidence} if self.min_confidence else {}),
                           **({"copy_below": self.copy_below} if self.copy_below else {}),
                           **({"copy_gate": True} if self.copy_gate else {}),
                           **({"sampling_top_k_clusters": self.sampling_top_k_clusters}
-                             if self.sampling_top_k_clusters is not None else {}), **self.extra},
+                             if self.sampling_top_k_clusters is not None else {}),
+                          **({"specdraft_only": self.specdraft_only} if self.specdraft_only else {}), **self.extra},
         }
+
+
+def rope_dict(rope: RopeParams) -> dict[str, Any]:
+    """`rope` as a config.json's rope_parameters entry (transformers' keys): what
+    RopeParams.from_dict reads back to the same values."""
+    out: dict[str, Any] = {"rope_type": rope.kind, "rope_theta": rope.theta}
+    if rope.factor != 1.0 or rope.kind in ("linear", "llama3", "yarn"):
+        out["factor"] = rope.factor
+    if rope.partial != 1.0:
+        out["partial_rotary_factor"] = rope.partial
+    if rope.kind == "llama3":
+        out.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor)
+    if rope.kind == "yarn":
+        out.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow)
+        if rope.attention_factor is not None:
+            out["attention_factor"] = rope.attention_factor
+    if rope.original_max_position_embeddings is not None:
+        out["original_max_position_embeddings"] = rope.original_max_position_embeddings
+    return out
+
+
+def _rope_parameters(value: Any) -> dict[str, dict[str, Any]] | None:
+    """A text config's rope_parameters as {layer type: params}; one flat dict applies to both types."""
+    if not value:
+        return None
+    if not isinstance(value, dict):
+        raise TypeError(f"rope_parameters must be an object, got {type(value).__name__}")
+    if all(isinstance(v, dict) for v in value.values()):
+        return {str(k): dict(v) for k, v in value.items()}
+    return {SLIDING: dict(value), FULL: dict(value)}

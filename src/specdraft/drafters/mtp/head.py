@@ -17,6 +17,27 @@ from specdraft.models.kernels.build import applies as kernels_apply
 from specdraft.models.kernels.score_rows import score_rows
 
 
+def checked_token_ordering(order: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A checkpoint's `token_ordering` as the int64 tensor the head's C call reads (it indexes
+    with 64-bit ids); int32 is accepted and widened. Raises ValueError (one line) for another
+    dtype, another shape, or anything but a permutation of 0..vocab-1: a repeated or missing id
+    would leave tokens in no cluster, or in two."""
+    if order.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"token_ordering has dtype {str(order.dtype).removeprefix('torch.')}; expected int32 or int64")
+    if tuple(order.shape) != (vocab,):
+        raise ValueError(f"token_ordering has shape {tuple(order.shape)}; expected ({vocab},), one entry per token")
+    order = order.to(torch.int64).contiguous()
+    outside = int(((order < 0) | (order >= vocab)).sum())
+    if outside:
+        raise ValueError(f"token_ordering is not a permutation of range({vocab}): {outside} id(s) outside it")
+    counts = torch.bincount(order, minlength=vocab)
+    repeated = (counts > 1).nonzero().flatten()
+    if len(repeated):
+        raise ValueError(f"token_ordering is not a permutation of range({vocab}): id {int(repeated[0])} appears "
+                         f"{int(counts[repeated[0]])} times and {int((counts == 0).sum())} id(s) never")
+    return order
+
+
 class ClusteredHead(nn.Module):
     """Named `masked_embedding` in checkpoints (Gemma 4 assistant layout)."""
 

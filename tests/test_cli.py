@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import make_tiny, write_word_tokenizer
-from specdraft.cli.generate import DRAFTER_KINDS
+from specdraft.drafters.kinds import DRAFTER_KINDS
 from specdraft.cli.main import main
 from specdraft.drafters.mtp import drafter_config_for, init_network, save_network
 from specdraft.speculative.engine import Engine

@@ -18,8 +18,6 @@ from specdraft.speculative.costs import MeasuredCosts, cost_key
 from specdraft.speculative.engine import Engine
 from specdraft.speculative.policy import AdaptivePolicy, DraftPolicy
 
-DRAFT_POLICIES = ("adaptive", "fixed")
-
 
 @dataclass
 class BuiltEngine:

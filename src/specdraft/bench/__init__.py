@@ -10,17 +10,19 @@ plots.py      PNG figures (matplotlib, Agg)
 runner.py     orchestration: load, build each method, warm up, interleave, measure, write
 """
 
-SPECDRAFT_METHODS = ("plain", "auto", "mtp", "mtp+ngram", "ngram", "draft-model", "plain-again")
+from specdraft.drafters.kinds import DRAFTER_KINDS, MTP_KINDS
+
+# plain decoding a second time, as its own method: identical work, so its speedup over plain in a cell is
+# what timing noise alone reads there (the yardstick for a cell where a method looks slower than plain).
+CONTROL = "plain-again"
+SPECDRAFT_METHODS = ("plain", *(kind for kind in DRAFTER_KINDS if kind != "none"), CONTROL)
 PEER_METHODS = ("hf", "hf-pld", "llama-cpp", "llama-cpp-pld")
 ALL_METHODS = SPECDRAFT_METHODS + PEER_METHODS
 DEFAULT_METHODS = ("plain", "mtp", "mtp+ngram", "ngram", "draft-model", "hf", "hf-pld", "llama-cpp", "llama-cpp-pld")
 # Methods that read an MTP drafter take another one as METHOD@FOLDER (e.g. mtp@runs/more), so two
 # drafters can be compared in one interleaved run; specdraft's methods take another weight format
 # as METHOD:WEIGHTS (e.g. plain,plain:gguf-q8), loaded beside the run's.
-DRAFTER_METHODS = ("auto", "mtp", "mtp+ngram")
-# plain decoding a second time, as its own method: identical work, so its speedup over plain in a cell is
-# what timing noise alone reads there (the yardstick for a cell where a method looks slower than plain).
-CONTROL = "plain-again"
+DRAFTER_METHODS = ("auto", *MTP_KINDS)
 
 
 def split_method(name: str) -> tuple[str, str | None]:

@@ -154,7 +154,7 @@ def measure_load(load):
 def build_specdraft(name: str, ctx: BenchContext) -> Method:
     """specdraft plain or with one of its drafters, or raise Skip."""
     from specdraft.bench import CONTROL, method_weights, split_method
-    from specdraft.drafters import shipped_drafter_path
+    from specdraft.drafters.kinds import AUTO_WITH_DRAFTER, MTP_KINDS, shipped_drafter_path
     from specdraft.engine_builder import build_engine
     from specdraft.loading.presets import PRESETS
 
@@ -163,14 +163,14 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
     if base in ("plain", CONTROL):  # CONTROL: a second plain engine, the run's noise control
         return SpecdraftMethod(name, rt, build_engine(rt, "none"), ctx.sampling, ctx.eos_token_ids)
     path, kind = None, base
-    if base in ("mtp", "mtp+ngram"):
+    if base in MTP_KINDS:
         # Only preset names have shipped drafters (a folder path would resolve to itself).
         shipped = shipped_drafter_path(rt.name) if rt.name in PRESETS else None
         path = folder or ctx.drafter_path or (str(shipped) if shipped else None)
         if path is None:
             raise Skip(f"no MTP drafter: none ships for {rt.name!r} and --drafter-path was not given")
     if base == "auto" and folder is not None:  # what --drafter auto would do with that drafter shipped
-        path, kind = folder, "mtp+ngram"
+        path, kind = folder, AUTO_WITH_DRAFTER
     if base == "draft-model":
         path = ctx.draft_model
         if path is None:
@@ -198,7 +198,7 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
     else:
         method.own_weight_bytes = drafter.nbytes()
         method.notes.append(f"drafter {path}, K={k}" if path else f"K={k}")
-        if kind == "mtp+ngram":
+        if drafter.mixes_lookups:
             method.notes.append(f"prompt lookup up to {drafter.lookup_tokens} tokens where the last "
                                 f"{drafter.min_match}-{drafter.max_ngram} tokens occurred before")
     return method

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdraft.cli.generate import check_draft_tokens
+from specdraft.cli.args import check_draft_tokens
 from specdraft.errors import SpecdraftError
 
 
@@ -27,7 +27,7 @@ def _name_list(text: str) -> list[str]:
 def register(sub) -> None:
     from specdraft.bench import ALL_METHODS, DEFAULT_METHODS, LLAMA_CPP_BUILD
     from specdraft.bench.questions import PLAIN_TEMPLATE
-    from specdraft.cli.generate import add_model_args
+    from specdraft.cli.args import add_model_args
 
     p = sub.add_parser(
         "bench",

@@ -6,14 +6,14 @@ import argparse
 import os
 import sys
 
-from specdraft.cli.generate import check_draft_tokens
+from specdraft.cli.args import check_draft_tokens
 from specdraft.errors import SpecdraftError
 
 DEFAULT_MAX_CONTEXT = 2048
 
 
 def register(sub) -> None:
-    from specdraft.cli.generate import add_drafter_args, add_model_args, add_policy_arg
+    from specdraft.cli.args import add_drafter_args, add_model_args, add_policy_arg
 
     p = sub.add_parser(
         "serve",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from specdraft.cli.bench import int_list
-from specdraft.cli.generate import add_model_args, load_target
+from specdraft.cli.args import add_model_args, load_target
 from specdraft.errors import SpecdraftError
 
 

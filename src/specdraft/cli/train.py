@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from specdraft.cli.generate import add_model_args, load_target
+from specdraft.cli.args import add_model_args, load_target
 from specdraft.errors import SpecdraftError
 
 # Longer prompts are left out by default: answers after ~300-1000-token documents (T0's passages)

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from specdraft.cli.generate import add_model_args, load_target
+from specdraft.cli.args import add_model_args, load_target
 from specdraft.errors import SpecdraftError
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -69,7 +69,7 @@ class Engine:
         every round, except plain rounds from `speculate_below` decoding rows on (None: never);
         `speculate_below` is read by that default only."""
         if drafter is not None and not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
-            raise SpecdraftError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {draft_tokens}")
+            raise SpecdraftError(f"draft_tokens (K) must be between 1 and {MAX_DRAFT_TOKENS}, got {draft_tokens}")
         self.model = model
         self.tokenizer = tokenizer
         self.drafter = drafter
@@ -106,7 +106,7 @@ class Engine:
                   (self.tokenizer.eos_token_ids if self.tokenizer else []))
         stops = StopChecker(self._decode, req.stop) if req.stop and self.tokenizer is not None else None
         self.waiting.append(_Row(req, group, eos, stops, self.width, self.timer.totals,
-                                 self.policy.new_row(self._source(False), self._mixes_lookups(), req.prompt,
+                                 self.policy.new_row(self._source(False), self._mixes_lookups, req.prompt,
                                                      not group.params.greedy)))
 
     @torch.inference_mode()
@@ -365,12 +365,14 @@ class Engine:
             position += accepted + 1
             last.copy_(nxt)
             lookup = draft.lookup if draft.lookup is not None else torch.zeros_like(accepted, dtype=torch.bool)
-            # One host sync for everything the bookkeeping needs.
+            # One host sync for everything the bookkeeping needs: per row the emitted tokens, then
+            # the accepted count, the drafts verified and whether they were looked up.
             host = torch.cat([emitted, accepted[:, None], draft.num_valid[:, None], lookup[:, None].long()], 1).tolist()
             chance_rows = chances.tolist() if chances is not None else [None] * n
-            cache.rollback([r.position + h[kk + 1] + 2 for r, h in zip(rows, host)])
-            for row, h, chance in zip(rows, host, chance_rows):
-                a, valid = h[kk + 1], h[kk + 2]
+            counts = [_RoundCounts(*h[kk + 1:]) for h in host]
+            cache.rollback([r.position + c.accepted + 2 for r, c in zip(rows, counts)])
+            for row, h, c, chance in zip(rows, host, counts, chance_rows):
+                a, valid = c.accepted, c.drafted
                 row.position += a + 1
                 s = row.stats
                 s.target_forwards += 1
@@ -378,21 +380,22 @@ class Engine:
                     s.drafted_by_position[j] += 1
                 for j in range(a):
                     s.accepted_by_position[j] += 1
-                source = self._source(bool(h[kk + 3]))
+                source = self._source(c.looked_up)
                 self.policy.observe(row.acceptance, source if kk else None, valid, a,
                                     None if row.group.params.greedy else chance, width)
                 self._emit(row, h[: a + 1], [source] * a + ["target"])
             self._remove_finished()
 
     def _source(self, looked_up: bool) -> str:
-        kind = self.drafter.kind if self.drafter is not None else "none"
-        if looked_up or kind == "ngram":
+        """Where a row's drafts came from, as the draft policy tells sources apart (Drafter.source)."""
+        if looked_up:
             return "lookup"
-        return "mtp" if kind == "mtp" or kind == "mtp+ngram" else "draft"
+        return self.drafter.source if self.drafter is not None else "draft"
 
+    @property
     def _mixes_lookups(self) -> bool:
         """Whether some rounds' drafts are prompt lookups and others the drafter's own (mtp+ngram)."""
-        return self.drafter is not None and "+ngram" in self.drafter.kind
+        return self.drafter is not None and self.drafter.mixes_lookups
 
     def _draft(self, inp: DraftInput, rows: list[_Row], width: int) -> Draft:
         """Up to `width` drafts per row (0: a plain round); the drafter runs at most min(width, K) steps."""
@@ -521,6 +524,14 @@ class Engine:
         ttft = row.first_token_at - row.arrived if row.first_token_at else now - row.arrived
         return GenerationResult(list(row.req.prompt), row.ids, text, reason, s, now - row.arrived, ttft,
                                 row.group.seed, row.req.id)
+
+
+class _RoundCounts(NamedTuple):
+    """A row's round, as the host reads it back: drafts accepted, drafts verified, looked up."""
+
+    accepted: int
+    drafted: int
+    looked_up: int
 
 
 def _truncate(draft: Draft, width: int) -> Draft:

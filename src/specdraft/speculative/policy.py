@@ -24,6 +24,7 @@ from specdraft.speculative.acceptance import STEADY_SOURCES, AcceptanceEstimates
 from specdraft.speculative.profiling import by_confidence, first_rows, profile_tokens  # noqa: F401 (bench/steps.py)
 from specdraft.speculative.verify import HEAD_BLOCK, SAMPLED_HEAD_BLOCK
 
+DRAFT_POLICIES = ("adaptive", "fixed")  # --draft-policy: AdaptivePolicy, FixedPolicy
 MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (estimates are noisy)
 # The same for rounds of several rows: their host work (drafter bookkeeping, lookups, ragged
 # acceptance) grows with the rows and is not in the measured costs, which themselves read +-10%

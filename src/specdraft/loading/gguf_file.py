@@ -2,9 +2,23 @@
 blocks as they are in gguf_blocks/, loading/gguf_blocks.py).
 
 Weights are dequantised to float32 with the `gguf` package and renamed to HF names, undoing
-the two things llama.cpp's converter changes: Gemma norm weights are stored as (1 + w), and
-Llama q/k projections are permuted into interleaved-RoPE order. The folder is what any HF
-tool can load too, which is how the tests and the benchmark's peers use the same weights.
+what llama.cpp's converter changes: Gemma 3 norm weights are stored as (1 + w), and Llama q/k
+projections are permuted into interleaved-RoPE order. The folder is what any HF tool can load
+too, which is how the tests and the benchmark's peers use the same weights.
+
+Gemma 4 (architecture `gemma4`, as llama.cpp, Ollama and LM Studio users have it): norms are
+stored as w (no shift), the layer scalar as `layer_output_scale`, the router's scale and
+per-expert scale as `ffn_gate_inp.scale` / `ffn_down_exps.scale`, the experts as one
+`ffn_gate_up_exps` stack (or, in some files, `ffn_gate_exps` + `ffn_up_exps`), PLE as
+`per_layer_*` / `inp_gate` / `proj` / `post_norm`. Per-type shapes live in the keys: head dims
+in attention.key_length (full) and key_length_swa (sliding), KV heads and the MLP width as
+per-layer arrays (sliding vs full; double-wide KV-shared layers), the layer types as the bool
+array attention.sliding_window_pattern, the full layers' proportional RoPE as freq factors in
+`rope_freqs` (1 for rotated pairs, 1e30 for the rest). Full layers without attn_v use K as V
+(attention_k_eq_v). A `gemma4-assistant` GGUF (the MTP drafter, llama.cpp's layout) becomes a
+Gemma 4 assistant folder: its own tied table `token_embd`, `nextn.pre_projection` /
+`nextn.post_projection`, query-only blocks; it carries no clustered head, so it drafts with a
+dense one, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -17,6 +31,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from specdraft.config import FULL, SLIDING
 from specdraft.errors import SpecdraftError
 from specdraft.loading.gguf_blocks import BLOCKS_FILE, SUPPORTED_BLOCK_FORMATS, decode_blocks, save_blocks
 from specdraft.loading.gguf_reader import GGUFFile
@@ -43,7 +58,42 @@ _GEMMA_NORMS = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _LLAMA_NORMS = {"ffn_norm": "post_attention_layernorm"}
-SUPPORTED_ARCHS = ("gemma3", "llama", "qwen2", "qwen3")
+# Gemma 4: GGUF block-local name -> HF name inside "model.layers.{i}.", with its suffix ("" where
+# the HF tensor has none). Names are llama.cpp's (gguf-py's tensor table for MODEL_ARCH.GEMMA4).
+_GEMMA4_LAYER = {
+    **{(local, "weight"): f"{hf}.weight" for local, hf in {**_LAYER_NAMES, **_GEMMA_NORMS}.items()},
+    ("layer_output_scale", "weight"): "layer_scalar",
+    ("pre_ffw_norm_2", "weight"): "pre_feedforward_layernorm_2.weight",
+    ("post_ffw_norm_1", "weight"): "post_feedforward_layernorm_1.weight",
+    ("post_ffw_norm_2", "weight"): "post_feedforward_layernorm_2.weight",
+    ("ffn_gate_inp", "weight"): "router.proj.weight",
+    ("ffn_gate_inp", "scale"): "router.scale",
+    ("ffn_gate_up_exps", "weight"): "experts.gate_up_proj",
+    ("ffn_down_exps", "weight"): "experts.down_proj",
+    ("ffn_down_exps", "scale"): "router.per_expert_scale",
+    ("inp_gate", "weight"): "per_layer_input_gate.weight",
+    ("proj", "weight"): "per_layer_projection.weight",
+    ("post_norm", "weight"): "post_per_layer_input_norm.weight",
+}
+_GEMMA4_TOP = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+    "per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+    "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+    "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight",
+    # the gemma4-assistant drafter's projections between the target's width and its own
+    "nextn.pre_projection.weight": "pre_projection.weight",
+    "nextn.post_projection.weight": "post_projection.weight",
+}
+# Expert stacks some files keep apart; the HF layout stacks gate over up (gate_up_proj).
+_SPLIT_EXPERTS = ("ffn_gate_exps", "ffn_up_exps")
+GEMMA4_ASSISTANT = "gemma4-assistant"
+SUPPORTED_ARCHS = ("gemma3", "gemma4", GEMMA4_ASSISTANT, "llama", "qwen2", "qwen3")
+# Freq factors at or above this mark a pair llama.cpp leaves unrotated (the converter writes 1e30).
+_UNROTATED = 1e29
+# Gemma 4 -it turn ends, stop tokens beside <eos> (transformers' GGUF loader adds the same ones).
+_GEMMA4_STOP_TOKENS = ("<turn|>", "<|tool_response>", "<end_of_turn>")
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -148,6 +198,8 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def _hf_name(gguf_name: str, arch: str) -> str | None:
+    if arch in ("gemma4", GEMMA4_ASSISTANT):
+        return _gemma4_hf_name(gguf_name, arch)
     if gguf_name == "token_embd.weight":
         return "model.embed_tokens.weight"
     if gguf_name == "output_norm.weight":
@@ -166,6 +218,21 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     return f"model.layers.{layer}.{names[local]}.{kind}"
 
 
+def _gemma4_hf_name(gguf_name: str, arch: str) -> str | None:
+    """A gemma4 / gemma4-assistant GGUF tensor's HF name (None: read into the config, not a weight)."""
+    if gguf_name == "rope_freqs.weight":
+        return None
+    if gguf_name in _GEMMA4_TOP:
+        return _GEMMA4_TOP[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
+        if (parts[2], parts[3]) in _GEMMA4_LAYER:
+            return f"model.layers.{parts[1]}.{_GEMMA4_LAYER[parts[2], parts[3]]}"
+        if parts[2] in _SPLIT_EXPERTS and parts[3] == "weight":
+            return gguf_name  # stacked into experts.gate_up_proj once both halves are read
+    raise SpecdraftError(f"GGUF tensor {gguf_name!r} is not one a {arch} model has")
+
+
 def read_blocks(path: Path, reader: GGUFFile | None = None) -> dict[str, Blocks]:
     """Every block-quantised matrix of a GGUF file, named as our modules name their weights
     (`layers.3.self_attn.q_proj.weight`, `embed_tokens.weight`); other tensors are left out.
@@ -179,7 +246,7 @@ def read_blocks(path: Path, reader: GGUFFile | None = None) -> dict[str, Blocks]
         if fmt not in SUPPORTED_BLOCK_FORMATS or len(t.shape) != 2:
             continue
         name = _hf_name(t.name, arch)
-        if name is None:
+        if name is None or not name.endswith(".weight"):
             continue
         k, n = (int(d) for d in t.shape)  # GGUF lists the input width first
         try:
@@ -195,8 +262,226 @@ def read_blocks(path: Path, reader: GGUFFile | None = None) -> dict[str, Blocks]
     return renamed
 
 
+def gguf_config(path: Path, reader: GGUFFile | None = None) -> dict[str, Any]:
+    """The config.json a GGUF converts to, from its header (and the small rope_freqs tensor)
+    alone: what `check_drafter_fits` reads of a GGUF target before any weight is."""
+    reader = reader if reader is not None else open_gguf(path)
+    arch = reader.value("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise SpecdraftError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+    tensors = {t.name: t for t in reader.tensors}
+    embed = tensors.get("token_embd.weight")
+    if embed is None:
+        raise SpecdraftError(f"{path}: GGUF has no token_embd.weight")
+    vocab = int(embed.shape[-1])
+    if arch == "gemma4":
+        return _gemma4_config(path, reader, tensors, vocab)
+    if arch == GEMMA4_ASSISTANT:
+        return _assistant_config(path, reader, tensors, vocab)
+    cfg = _hf_config(reader, arch, "output.weight" in tensors, vocab)
+    if "rope_freqs.weight" in tensors:
+        cfg["rope_parameters"] = _llama3_rope_from_freqs(_f32(path, tensors["rope_freqs.weight"]), cfg)
+    return cfg
+
+
+def assistant_config_dict(path: Path) -> dict[str, Any]:
+    """A gemma4-assistant GGUF's drafter config (the Gemma 4 assistant config.json), header only."""
+    reader = open_gguf(path)
+    if reader.value("general.architecture") != GEMMA4_ASSISTANT:
+        raise SpecdraftError(f"{path}: GGUF architecture {reader.value('general.architecture')!r} is not a drafter "
+                             f"(expected {GEMMA4_ASSISTANT!r})")
+    return gguf_config(path, reader)
+
+
+def _f32(path: Path, tensor) -> np.ndarray:
+    from gguf import quants
+
+    try:
+        return quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+    except Exception as e:
+        raise SpecdraftError(f"{path}: cannot dequantise {tensor.name} ({e}); is the file truncated or corrupt?") from None
+
+
+def _per_layer(path: Path, reader, key: str, n: int, default: Any = None) -> list[int]:
+    """A key llama.cpp writes either as one number or as an array with one entry per layer."""
+    value = reader.value(key, default)
+    if value is None:
+        raise SpecdraftError(f"{path}: GGUF lacks {key}")
+    if isinstance(value, list):
+        if len(value) != n:
+            raise SpecdraftError(f"{path}: GGUF {key} has {len(value)} entries for {n} layers")
+        return [int(v) for v in value]
+    return [int(value)] * n
+
+
+def _by_type(path: Path, key: str, values: list[int], types: list[str]) -> dict[str, int]:
+    """Per-layer values -> one per layer type (specdraft runs one shape per type)."""
+    out: dict[str, int] = {}
+    for i, (v, t) in enumerate(zip(values, types)):
+        if out.setdefault(t, v) != v:
+            raise SpecdraftError(f"{path}: GGUF {key} differs between {t} layers ({out[t]} and {v} at layer {i}); "
+                                 "not supported")
+    return out
+
+
+def _gemma4_attention(path: Path, reader, arch: str, tensors: dict, n: int) -> dict[str, Any]:
+    """The Gemma 4 text-config fields of a gemma4 or gemma4-assistant GGUF's attention: layer
+    types, per-type head dims and KV heads, window, RoPE (the full layers' from rope_freqs)."""
+    def a(key: str, default: Any = None) -> Any:
+        return reader.value(f"{arch}.{key}", default)
+
+    pattern = a("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != n:
+        raise SpecdraftError(f"{path}: GGUF needs {arch}.attention.sliding_window_pattern, one bool per layer")
+    types = [SLIDING if bool(x) else FULL for x in pattern]
+    heads = _by_type(path, "attention.head_count", _per_layer(path, reader, f"{arch}.attention.head_count", n), types)
+    if len(set(heads.values())) != 1:
+        raise SpecdraftError(f"{path}: GGUF head_count differs between layer types ({heads}); not supported")
+    kv = _by_type(path, "attention.head_count_kv", _per_layer(path, reader, f"{arch}.attention.head_count_kv", n), types)
+    full_dim = int(a("attention.key_length"))
+    sliding_dim = int(a("attention.key_length_swa", full_dim))
+    for key, want in (("attention.value_length", full_dim), ("attention.value_length_swa", sliding_dim)):
+        if a(key) is not None and int(a(key)) != want:
+            raise SpecdraftError(f"{path}: GGUF {arch}.{key} {a(key)} differs from the key length {want}; not supported")
+    if int(a("rope.dimension_count_swa", sliding_dim)) != sliding_dim:
+        raise SpecdraftError(f"{path}: GGUF rotates {a('rope.dimension_count_swa')} of {sliding_dim} sliding head dims; "
+                             "not supported")
+    if int(a("rope.dimension_count", full_dim)) != full_dim:
+        raise SpecdraftError(f"{path}: GGUF rope.dimension_count {a('rope.dimension_count')} differs from the full "
+                             f"layers' head dim {full_dim}; not supported")
+    if reader.value(f"{arch}.rope.scaling.type") not in (None, "none"):
+        raise SpecdraftError(f"{path}: GGUF rope scaling {reader.value(f'{arch}.rope.scaling.type')!r} on Gemma 4 is "
+                             "not supported")
+    rotated = full_dim // 2  # the full layers' proportional RoPE: freq factor 1 rotates, 1e30 does not
+    if "rope_freqs.weight" in tensors:
+        factors = _f32(path, tensors["rope_freqs.weight"]).reshape(-1)
+        rotated = int((factors < _UNROTATED).sum())
+        if len(factors) != full_dim // 2 or not (np.all(factors[:rotated] == 1.0) and np.all(factors[rotated:] >= _UNROTATED)):
+            raise SpecdraftError(f"{path}: GGUF rope_freqs are not proportional RoPE's (1 for the first pairs, 1e30 for "
+                                 "the rest); not supported")
+    out: dict[str, Any] = {
+        "num_attention_heads": next(iter(heads.values())),
+        "layer_types": types,
+        "head_dim": sliding_dim,
+        "global_head_dim": full_dim,
+        "num_key_value_heads": kv.get(SLIDING, kv.get(FULL)),
+        "sliding_window": int(a("attention.sliding_window", 512)),
+        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(a("context_length", 131072)),
+        "rope_parameters": {
+            SLIDING: {"rope_type": "default", "rope_theta": float(a("rope.freq_base_swa", 10000.0))},
+            FULL: {"rope_type": "proportional", "rope_theta": float(a("rope.freq_base", 1_000_000.0)),
+                   "partial_rotary_factor": 2 * rotated / full_dim},
+        },
+        "hidden_activation": "gelu_pytorch_tanh",
+    }
+    if FULL in kv and kv[FULL] != out["num_key_value_heads"]:
+        out["num_global_key_value_heads"] = kv[FULL]
+    return out
+
+
+def _gemma4_config(path: Path, reader, tensors: dict, vocab: int) -> dict[str, Any]:
+    arch = "gemma4"
+
+    def a(key: str, default: Any = None) -> Any:
+        return reader.value(f"{arch}.{key}", default)
+
+    n = int(a("block_count"))
+    hidden = int(a("embedding_length"))
+    cfg = _gemma4_attention(path, reader, arch, tensors, n)
+    shared = int(a("attention.shared_kv_layers", 0) or 0)
+    first_shared = n - shared
+    full_layers = [i for i, t in enumerate(cfg["layer_types"]) if t == FULL and i < first_shared]
+    # Full layers that store K/V but have no attn_v use the K projection as V.
+    k_eq_v = bool(full_layers) and all(f"blk.{i}.attn_v.weight" not in tensors for i in full_layers)
+    if "num_global_key_value_heads" in cfg and not k_eq_v:
+        full_kv = cfg.pop("num_global_key_value_heads")  # only per_layer_config states this without k_eq_v
+        cfg["per_layer_config"] = {str(i): {"num_key_value_heads": full_kv} for i, t in enumerate(cfg["layer_types"])
+                                   if t == FULL}
+    ff = _per_layer(path, reader, f"{arch}.feed_forward_length", n)
+    double = [2 * ff[0] if i >= first_shared else ff[0] for i in range(n)]
+    if ff != [ff[0]] * n and ff != double:
+        raise SpecdraftError(f"{path}: GGUF feed_forward_length {ff} is neither one width nor double-wide KV-shared "
+                             "layers; not supported")
+    ple = int(a("embedding_length_per_layer_input", 0) or 0)
+    experts = int(a("expert_count", 0) or 0)
+    moe = experts > 0 and "blk.0.ffn_gate_inp.weight" in tensors
+    names = reader.value("tokenizer.ggml.tokens") or []
+    stops = [names.index(t) for t in _GEMMA4_STOP_TOKENS if t in names]
+    eos = reader.value("tokenizer.ggml.eos_token_id")
+    cfg.update(
+        model_type="gemma4_text",
+        architectures=["Gemma4ForCausalLM"],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ff[0],
+        num_hidden_layers=n,
+        num_kv_shared_layers=shared,
+        use_double_wide_mlp=ff != [ff[0]] * n,
+        attention_k_eq_v=k_eq_v,
+        hidden_size_per_layer_input=ple,
+        vocab_size_per_layer_input=int(tensors["per_layer_token_embd.weight"].shape[-1])
+        if ple and "per_layer_token_embd.weight" in tensors else 0,
+        enable_moe_block=moe,
+        num_experts=experts if moe else None,
+        top_k_experts=int(a("expert_used_count", 0)) if moe else None,
+        moe_intermediate_size=int(a("expert_feed_forward_length", 0)) if moe else None,
+        final_logit_softcapping=a("final_logit_softcapping"),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=reader.value("tokenizer.ggml.bos_token_id"),
+        eos_token_id=list(dict.fromkeys(([eos] if eos is not None else []) + stops)) or None,
+        pad_token_id=reader.value("tokenizer.ggml.padding_token_id"),
+        torch_dtype="float32",
+    )
+    if ple and "per_layer_token_embd.weight" not in tensors:
+        raise SpecdraftError(f"{path}: GGUF states per-layer inputs but has no per_layer_token_embd.weight")
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def _assistant_config(path: Path, reader, tensors: dict, vocab: int) -> dict[str, Any]:
+    """The Gemma 4 assistant config.json of a gemma4-assistant GGUF: the drafter's own widths in
+    the keys, the target's width in embedding_length_out, every layer KV-shared."""
+    arch = GEMMA4_ASSISTANT
+
+    def a(key: str, default: Any = None) -> Any:
+        return reader.value(f"{arch}.{key}", default)
+
+    n = int(a("block_count"))
+    text = _gemma4_attention(path, reader, arch, tensors, n)
+    backbone = a("embedding_length_out")
+    if backbone is None:
+        raise SpecdraftError(f"{path}: GGUF lacks {arch}.embedding_length_out (the target's hidden size)")
+    ff = _per_layer(path, reader, f"{arch}.feed_forward_length", n)
+    if ff != [ff[0]] * n:
+        raise SpecdraftError(f"{path}: GGUF feed_forward_length differs between layers ({ff}); not supported")
+    kv_full = text.pop("num_global_key_value_heads", None)
+    text.update(
+        model_type="gemma4_text",
+        vocab_size=vocab,
+        hidden_size=int(a("embedding_length")),
+        intermediate_size=ff[0],
+        num_hidden_layers=n,
+        num_kv_shared_layers=n,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=0,
+        enable_moe_block=False,
+        use_double_wide_mlp=False,
+    )
+    if kv_full is not None:  # transformers reads the full layers' KV heads only with this flag
+        text.update(num_global_key_value_heads=kv_full, attention_k_eq_v=True)
+    return {
+        "model_type": "gemma4_assistant",
+        "architectures": ["Gemma4AssistantForCausalLM"],
+        "backbone_hidden_size": int(backbone),
+        "use_ordered_embeddings": False,  # no clustered head in this layout: a dense one over token_embd
+        "tie_word_embeddings": True,
+        "text_config": text,
+    }
+
+
 def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> None:
-    """Write config.json, model.safetensors (float32) and tokenizer files for `path` into out_dir."""
+    """Write config.json, model.safetensors (float32) and tokenizer files for `path` into out_dir
+    (a gemma4-assistant GGUF: a drafter folder, with tokenizer files only if it has a vocabulary)."""
     from gguf import quants
     from tqdm import tqdm
 
@@ -204,34 +489,40 @@ def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> None:
 
     reader = open_gguf(path)
     arch = reader.value("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise SpecdraftError(f"{path}: GGUF architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
-    names = {t.name for t in reader.tensors}
-    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
-    if embed is None:
-        raise SpecdraftError(f"{path}: GGUF has no token_embd.weight")
-    cfg = _hf_config(reader, arch, "output.weight" in names, int(embed.shape[-1]))
-    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    cfg = gguf_config(path, reader)
+    heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
     state: dict[str, torch.Tensor] = {}
+    split_experts: dict[str, dict[str, np.ndarray]] = {}
     for t in tqdm(reader.tensors, desc=f"dequantising {path.name}", unit="tensor", disable=not progress):
+        name = _hf_name(t.name, arch)
+        if name is None:  # rope_freqs: read into the config already
+            continue
         try:
             w = quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         except Exception as e:
             raise SpecdraftError(f"{path}: cannot dequantise {t.name} ({e}); is the file truncated or corrupt?") from None
-        if t.name == "rope_freqs.weight":
-            cfg["rope_parameters"] = _llama3_rope_from_freqs(w, cfg)
+        if name.startswith("blk."):  # half of a split expert stack
+            _, layer, local, _ = name.split(".")
+            split_experts.setdefault(layer, {})[local] = w
             continue
-        name = _hf_name(t.name, arch)
         if arch == "gemma3" and name.endswith("norm.weight"):
-            w = w - 1.0  # GGUF stores Gemma's (1 + w); HF stores w.
+            w = w - 1.0  # GGUF stores Gemma 3's (1 + w); HF stores w. (Gemma 4 stores w itself.)
         if arch == "llama" and ".self_attn.q_proj." in name:
             w = _unpermute(w, heads)
         if arch == "llama" and ".self_attn.k_proj." in name:
             w = _unpermute(w, kv_heads)
         state[name] = torch.from_numpy(np.ascontiguousarray(w))
+    for layer, halves in split_experts.items():
+        if set(halves) != set(_SPLIT_EXPERTS):
+            raise SpecdraftError(f"{path}: GGUF layer {layer} has {sorted(halves)} but not both of {list(_SPLIT_EXPERTS)}")
+        stacked = np.concatenate([halves["ffn_gate_exps"], halves["ffn_up_exps"]], axis=1)  # [E, 2I, H]: gate, then up
+        state[f"model.layers.{layer}.experts.gate_up_proj"] = torch.from_numpy(np.ascontiguousarray(stacked))
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt", "source": path.name})
+    if arch == GEMMA4_ASSISTANT:
+        if reader.value("tokenizer.ggml.tokens") is not None:
+            convert_gguf_tokenizer(reader, out_dir)
+        return
     save_blocks(read_blocks(path, reader), out_dir / BLOCKS_FILE)  # the quantised codes too (--weights gguf)
     convert_gguf_tokenizer(reader, out_dir)
-

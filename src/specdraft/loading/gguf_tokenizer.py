@@ -8,6 +8,10 @@ from that, for the two tokenizer families llama.cpp calls:
   are derived from the vocabulary, ranked by how early SentencePiece would apply them.
 * "gpt2": byte-level BPE (SmolLM, Llama 3, Qwen). The file has the merges; only the regex that
   splits text before BPE is missing, and it is looked up by the file's `tokenizer.ggml.pre` name.
+* "gemma4": SentencePiece-style BPE with the merges in the file (Gemma 4). As llama.cpp's
+  gemma4 pre-type: spaces become "▁", text is split into runs of newlines and runs of anything
+  else ([^\n]+|[\n]+), merges act on characters (not GPT-2 bytes), a character without a
+  token falls back to <0xNN> byte tokens, and BOS is added.
 
 Only `gguf` and `tokenizers` are used; transformers' own GGUF loader serves as the test oracle.
 """
@@ -102,8 +106,9 @@ def read_vocab(reader: GGUFFile) -> GGUFVocab:
         scores=reader.value("tokenizer.ggml.scores"),
         merges=reader.value("tokenizer.ggml.merges"),
         special_ids={name: i for name, i in special_ids.items() if i is not None and 0 <= i < len(tokens)},
-        # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise.
-        add_bos=bool(reader.value("tokenizer.ggml.add_bos_token", model == "llama")),
+        # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise (and
+        # always for gemma4's).
+        add_bos=model == "gemma4" or bool(reader.value("tokenizer.ggml.add_bos_token", model == "llama")),
         add_eos=bool(reader.value("tokenizer.ggml.add_eos_token", False)),
         add_space_prefix=bool(reader.value("tokenizer.ggml.add_space_prefix", model == "llama")),
     )
@@ -245,6 +250,29 @@ def _byte_level_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     return tokenizer
 
 
+# ---------------------------------------------------------------- SentencePiece-style BPE ("gemma4")
+
+
+def _gemma4_tokenizer(vocab: GGUFVocab) -> Tokenizer:
+    if not vocab.merges:
+        raise ValueError("GGUF 'gemma4' tokenizer has no tokenizer.ggml.merges")
+    unk_id = vocab.special_ids.get("unk_token")
+    # A merge joins two pieces that hold no real space ("▁" stands for one), so one space splits it.
+    merges = [tuple(merge.split(" ", 1)) for merge in vocab.merges]
+    bpe = models.BPE(
+        vocab={token: index for index, token in enumerate(vocab.tokens)},
+        merges=merges,
+        unk_token=vocab.tokens[unk_id] if unk_id is not None else None,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tokenizer = Tokenizer(bpe)
+    tokenizer.normalizer = normalizers.Replace(" ", _SPACE_MARK)
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    tokenizer.decoder = decoders.Sequence([decoders.Replace(_SPACE_MARK, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return tokenizer
+
+
 # ---------------------------------------------------------------- shared
 
 
@@ -289,7 +317,7 @@ def _post_processor(vocab: GGUFVocab) -> processors.TemplateProcessing:
     )
 
 
-_BUILDERS = {"llama": _sentencepiece_tokenizer, "gpt2": _byte_level_tokenizer}
+_BUILDERS = {"llama": _sentencepiece_tokenizer, "gpt2": _byte_level_tokenizer, "gemma4": _gemma4_tokenizer}
 
 
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:

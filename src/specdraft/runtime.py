@@ -13,8 +13,10 @@ import torch
 
 from specdraft.config import ModelConfig
 from specdraft.device import dtype_name, release_free_memory, resolve_device
-from specdraft.models.formats.choice import resolve_dtype, resolve_prefill_dtype, resolve_weights
-from specdraft.loading import load_folder, resolve_model
+from specdraft.loading import describe_folder, load_folder, matrix_parameters, resolve_model
+from specdraft.loading.footprint import Footprint, check_fits
+from specdraft.models.formats.choice import (LARGE_MODEL_PARAMETERS, check_choices, resolve_dtype, resolve_prefill_dtype,
+                                             resolve_weights)
 from specdraft.models.formats import int8_head, q8_act_linear
 from specdraft.models.formats.block_linear import use_prompt_dtype
 from specdraft.models.compile import compile_steps
@@ -36,6 +38,7 @@ def generation_eos_ids(folder: Path) -> list[int]:
 
 
 CPU_SPECULATE_BELOW = 4
+DEFAULT_CONTEXT = 4096  # KV positions the memory check counts when the caller names none
 
 
 def _warm_up_int8_head(head: Int8Head, progress: bool) -> None:
@@ -70,27 +73,36 @@ class Runtime:
     weights: str = "dtype"
     prefill_dtype: torch.dtype | None = None  # prompts' arithmetic with gguf weights (use_prompt_dtype)
 
+    footprint: Footprint | None = None  # the memory estimate checked before loading
+
     @classmethod
     def load(cls, name_or_path: str, dtype: str = "auto", device: str = "auto", progress: bool = True,
-             weights: str = "auto", compile: bool = False, prefill_dtype: str = "auto") -> "Runtime":
-        """Load a target. weights: auto | dtype | int8 | int4 | fp16 | gguf | gguf-q8 (models.formats.choice.resolve_weights);
-        compile: route decode/verify forwards through a torch.compile'd step (models/compile.py);
-        prefill_dtype: auto | float32 | bfloat16, prompts' arithmetic with gguf weights
-        (models.formats.choice.resolve_prefill_dtype)."""
+             weights: str = "auto", compile: bool = False, prefill_dtype: str = "auto", context: int | None = None,
+             batch_size: int = 1) -> "Runtime":
+        """Load a target. weights: auto | dtype | int8 | int4 | fp16 | gguf | gguf-q8 | q8 | q4
+        (models.formats.choice.resolve_weights); compile: route decode/verify forwards through a
+        torch.compile'd step (models/compile.py); prefill_dtype: auto | float32 | bfloat16,
+        prompts' arithmetic with gguf weights (models.formats.choice.resolve_prefill_dtype).
+        `context` x `batch_size` positions of KV cache are counted in the memory check that runs
+        before any weight is read (loading/footprint.py; default context DEFAULT_CONTEXT)."""
         dev = resolve_device(device)
-        dt = resolve_dtype(dtype, dev, weights)
-        fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto")  # bad flags fail before any work
-        resolve_prefill_dtype(prefill_dtype, "gguf" if weights == "auto" else fmt, False)  # a bad one fails early too
+        check_choices(dtype, weights, prefill_dtype)
+        if weights != "auto":  # a format that cannot run here fails before any work
+            resolve_weights(weights, dev, resolve_dtype(dtype, dev, weights), dtype_chosen=dtype == "auto")
+            resolve_prefill_dtype(prefill_dtype, weights, False)
         folder = resolve_model(name_or_path, progress)
-        if weights == "auto":
-            blocks = _has_blocks(name_or_path, folder)
-            dt = resolve_dtype(dtype, dev, weights, gguf_blocks=blocks)
-            # int8 rows (gguf-q8) where the CPU has the kernel, unless prompts in a float dtype are asked for
-            int8_rows = blocks and prefill_dtype == "auto" and q8_act_linear.kernel_available()
-            fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto", gguf_blocks=blocks,
-                                  int8_rows=int8_rows)
+        cfg, shape = describe_folder(folder)
+        blocks = weights == "auto" and _has_blocks(name_or_path, folder)
+        dt = resolve_dtype(dtype, dev, weights, gguf_blocks=blocks)
+        # int8 rows (gguf-q8) where the CPU has the kernel, unless prompts in a float dtype are asked for
+        int8_rows = blocks and prefill_dtype == "auto" and q8_act_linear.kernel_available()
+        large = matrix_parameters(shape) >= LARGE_MODEL_PARAMETERS
+        fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto", gguf_blocks=blocks, int8_rows=int8_rows,
+                              large=large)
         prompts = resolve_prefill_dtype(prefill_dtype, fmt, dtype_chosen=dtype == "auto")
-        model, cfg, notes = load_folder(folder, dt, dev)
+        context = context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
+        footprint = check_fits(shape, name_or_path, fmt, dt, context, batch_size)
+        model, cfg, notes = load_folder(folder, dt, dev, fmt)
         notes += compact_weights(model, fmt, _source_blocks(name_or_path, folder) if fmt.startswith("gguf") else None)
         if prompts is not None:
             use_prompt_dtype(model, prompts)
@@ -100,7 +112,7 @@ class Runtime:
         if compile:
             compile_steps(model, announce=progress)
         eos = cfg.eos_token_ids + generation_eos_ids(folder)
-        rt = cls(name_or_path, folder, model, cfg, Tokenizer(folder, eos), dev, dt, notes, fmt, prompts)
+        rt = cls(name_or_path, folder, model, cfg, Tokenizer(folder, eos), dev, dt, notes, fmt, prompts, footprint)
         gc.collect()  # packing's and the tokenizer's temporaries, then their freed heap back to the OS:
         release_free_memory()  # ~190 MB less resident memory for Gemma 3 270M (gguf weights)
         return rt

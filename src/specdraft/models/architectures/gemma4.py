@@ -102,25 +102,59 @@ class Gemma4Router(nn.Module):
 
 
 class Gemma4Experts(nn.Module):
-    """E GeGLU experts stored as 3-D tensors (checkpoint layout: gate and up fused)."""
+    """E GeGLU experts stored as 3-D tensors (checkpoint layout: gate and up fused), or, once
+    compacted, as one compact linear per expert and part (`compact_experts`)."""
+
+    expert_parts = ("gate_up_proj", "down_proj")
 
     def __init__(self, hidden: int, intermediate: int, experts: int, act: str):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, intermediate))
         self.act = activation(act)
+        self.compact: dict[str, nn.ModuleList] = {}
+
+    def compact_part(self, part: str, stack: torch.Tensor, make) -> None:
+        """Replace the [E, N, K] parameter `part` by E modules `make(stack[e])`."""
+        modules = nn.ModuleList(make(stack[e]) for e in range(stack.shape[0]))
+        if any(m is None for m in modules):
+            raise ValueError(f"no compact kernel takes the experts' {part} of shape {tuple(stack.shape[1:])}")
+        delattr(self, part)
+        self.add_module(f"{part}_compact", modules)
+        self.compact[part] = modules
+
+    def compact_experts(self, make) -> None:
+        for part in self.expert_parts:
+            if part not in self.compact:
+                self.compact_part(part, getattr(self, part).detach(), make)
+
+    def project(self, part: str, e: int, x: torch.Tensor) -> torch.Tensor:
+        modules = self.compact.get(part)
+        return F.linear(x, getattr(self, part)[e]) if modules is None else modules[e](x)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [N, H]; each token's output is the weighted sum of its k experts' outputs."""
+        if x.device.type != "cpu" and not self.compact:
+            return self._gathered(x, weights, ids)
         out = torch.zeros_like(x)
         # Loop over the experts actually hit (a decode step hits few), in ascending order so the
         # per-token sum is accumulated in the same order as the reference.
         for e in ids.unique().tolist():
             tok, slot = torch.where(ids == e)
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[e]) * weights[tok, slot, None]
+            gate, up = self.project("gate_up_proj", e, x[tok]).chunk(2, dim=-1)
+            y = self.project("down_proj", e, self.act(gate) * up) * weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
+
+    def _gathered(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """On an accelerator: every (token, expert) pair as one batched matmul over gathered expert
+        weights, so the step never waits for the device to learn which experts were hit."""
+        n, k = ids.shape
+        flat = ids.reshape(-1)
+        rows = x.repeat_interleave(k, dim=0)[:, :, None]  # [N*k, H, 1]
+        gate, up = torch.bmm(self.gate_up_proj[flat], rows)[..., 0].chunk(2, dim=-1)
+        y = torch.bmm(self.down_proj[flat], (self.act(gate) * up)[:, :, None])[..., 0]
+        return (y.view(n, k, -1) * weights[..., None].to(y.dtype)).sum(1).to(x.dtype)
 
 
 class Gemma4Layer(nn.Module):
@@ -240,6 +274,8 @@ class Gemma4Transformer(CachedDecoder):
         cfg, width = self.config, self.params.hidden_size_per_layer_input
         shape = (*tokens.shape, cfg.num_layers, width)
         e = self.embed_tokens_per_layer(tokens)
+        if e.dtype != x.dtype:  # a table kept as the checkpoint stores it: widen the rows first (exact)
+            e = e.to(x.dtype)
         token_part = (e * torch.tensor(width**0.5, dtype=e.dtype)).reshape(shape)
         context = self.per_layer_model_projection(x) * cfg.hidden_size**-0.5
         context = self.per_layer_projection_norm(context.reshape(shape))

@@ -8,8 +8,9 @@ import torch
 from specdraft.device import DTYPES, cpu_has_bf16_units
 from specdraft.errors import SpecdraftError
 from specdraft.models.formats.fp16_kernel import fp16_kernel_available
+from specdraft.models.formats.q8_act_linear import kernel_available as q8_kernel_available
 
-FLOAT32_WEIGHTS = ("fp16", "gguf", "gguf-q8")  # formats whose CPU kernels take float32 rows
+FLOAT32_WEIGHTS = ("fp16", "gguf", "gguf-q8", "q8", "q4")  # formats whose CPU kernels take float32 rows
 
 
 def resolve_dtype(name: str, device: torch.device, weights: str = "auto", gguf_blocks: bool = False) -> torch.dtype:
@@ -28,12 +29,15 @@ def resolve_dtype(name: str, device: torch.device, weights: str = "auto", gguf_b
     return DTYPES[name]
 
 
-WEIGHT_CHOICES = ("auto", "dtype", "int8", "int4", "fp16", "gguf", "gguf-q8")
+WEIGHT_CHOICES = ("auto", "dtype", "int8", "int4", "fp16", "gguf", "gguf-q8", "q8", "q4")
+# From this many parameters in its matrices a model is large: at float32 arithmetic on a CPU without
+# bf16 units, auto then takes q8 (8-bit blocks, a third of fp16 bytes and cheap wide verifies)
+LARGE_MODEL_PARAMETERS = 1_000_000_000
 PACKABLE_DTYPES = (torch.bfloat16, torch.float32)  # what torch's packed CPU kernels take
 
 
 def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_chosen: bool = False,
-                    gguf_blocks: bool = False, int8_rows: bool = False) -> str:
+                    gguf_blocks: bool = False, int8_rows: bool = False, large: bool = False) -> str:
     """How weights are stored: `dtype` (as --dtype says), packed int8/int4, fp16, or a GGUF
     file's own blocks (CPU only).
 
@@ -46,7 +50,10 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_c
     (half of float32's bytes at float32's arithmetic; torch's int8 kernels are compute-bound
     without bf16 units). auto = int8 on a CPU in bfloat16: it halves the bytes every step reads
     and its kernel gives a row the same bits whatever the number of rows (BENCHMARKS.md, weight
-    formats). A float32 the user asked for stays unquantised: it is the exactness reference."""
+    formats). A float32 the user asked for stays unquantised: it is the exactness reference.
+    A `large` model (LARGE_MODEL_PARAMETERS) in float32 chosen by auto takes q8 instead of fp16:
+    at these sizes memory decides whether it loads at all, and 8-bit blocks are what llama.cpp
+    users run."""
     if name not in WEIGHT_CHOICES:
         raise SpecdraftError(f"unknown weights {name!r} (use {', '.join(WEIGHT_CHOICES)})")
     packable = device.type == "cpu" and dtype in PACKABLE_DTYPES
@@ -56,6 +63,8 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_c
         if dtype_chosen and device.type == "cpu" and dtype == torch.float32:
             if gguf_blocks:
                 return "gguf-q8" if int8_rows else "gguf"
+            if large and q8_kernel_available():
+                return "q8"
             if fp16_kernel_available():
                 return "fp16"
         return "dtype"
@@ -65,6 +74,9 @@ def resolve_weights(name: str, device: torch.device, dtype: torch.dtype, dtype_c
     if name in ("gguf", "gguf-q8") and (device.type != "cpu" or dtype != torch.float32):
         raise SpecdraftError(f"--weights {name} runs a CPU kernel that takes float32 rows; "
                              "use --device cpu with --dtype float32 or auto")
+    if name in ("q8", "q4") and (device.type != "cpu" or dtype != torch.float32 or not q8_kernel_available()):
+        raise SpecdraftError(f"--weights {name} runs a C kernel on x86 CPUs with AVX2 that takes float32 rows; "
+                             "use --device cpu with --dtype float32 or auto, or --weights dtype")
     if name == "fp16" and (device.type != "cpu" or dtype != torch.float32 or not fp16_kernel_available()):
         raise SpecdraftError("--weights fp16 runs on FBGEMM's x86 CPU kernel with float32 activations; "
                              "use --device cpu with --dtype float32 or auto on an x86 CPU, or --weights dtype")
@@ -91,3 +103,13 @@ def resolve_prefill_dtype(name: str, weights: str, dtype_chosen: bool) -> torch.
     if name == "auto":
         return torch.bfloat16 if dtype_chosen and cpu_has_bf16_units() else torch.float32
     return DTYPES[name]
+
+
+def check_choices(dtype: str, weights: str, prefill_dtype: str) -> None:
+    """Fail on an unknown --dtype, --weights or --prefill-dtype before any work."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise SpecdraftError(f"unknown dtype {dtype!r} (use auto, float32 or bfloat16)")
+    if weights not in WEIGHT_CHOICES:
+        raise SpecdraftError(f"unknown weights {weights!r} (use {', '.join(WEIGHT_CHOICES)})")
+    if prefill_dtype not in PREFILL_DTYPES:
+        raise SpecdraftError(f"unknown prefill dtype {prefill_dtype!r} (use {', '.join(PREFILL_DTYPES)})")

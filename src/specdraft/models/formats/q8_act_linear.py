@@ -80,12 +80,28 @@ def q8_act_mm(rows: torch.Tensor, codes: torch.Tensor, layout: int, base: int, c
 def int8_blocks(weight: torch.Tensor, group: int = ACT_GROUP) -> Blocks:
     """Float weights [N, K] -> symmetric int8 codes with one float32 scale per `group` inputs
     (GGUF's Q8_0 layout): what Q8ActLinear reads, ~1.1 bytes a weight against fp16's 2."""
-    w = weight.detach().float()
-    n, k = w.shape
-    grouped = w.view(n, k // group, group)
-    scales = grouped.abs().amax(-1) / 127
-    codes = torch.round(grouped / scales.clamp(min=torch.finfo(torch.float32).tiny)[..., None])
-    return Blocks(codes.to(torch.int8).view(n, k), scales, None, group)
+    return symmetric_blocks(weight, 127, group)
+
+
+def int4_blocks(weight: torch.Tensor, group: int = ACT_GROUP) -> Blocks:
+    """Float weights [N, K] -> symmetric 4-bit codes (-7..7) with one float32 scale per `group`
+    inputs (GGUF's Q4_0 idea): Q8ActLinear keeps them two a byte, ~0.63 bytes a weight."""
+    return symmetric_blocks(weight, 7, group)
+
+
+def symmetric_blocks(weight: torch.Tensor, top: int, group: int = ACT_GROUP, chunk: int = 8192) -> Blocks:
+    """codes = round(w / s) in [-top, top], s = max|w| / top per group of inputs; `chunk` rows at a
+    time, so a 262k-row table needs no float32 copy of itself."""
+    n, k = weight.shape
+    codes = torch.empty(n, k, dtype=torch.int8)
+    scales = torch.empty(n, k // group, dtype=torch.float32)
+    for lo in range(0, n, chunk):
+        grouped = weight[lo : lo + chunk].detach().float().view(-1, k // group, group)
+        s = grouped.abs().amax(-1) / top
+        q = torch.round(grouped / s.clamp(min=torch.finfo(torch.float32).tiny)[..., None])
+        codes[lo : lo + chunk] = q.to(torch.int8).view(-1, k)
+        scales[lo : lo + chunk] = s
+    return Blocks(codes, scales, None, group)
 
 
 class Q8ActLinear(nn.Module):

@@ -8,6 +8,10 @@ LM head of Gemma 3 270M alone is 335 MB in bf16. Three weight-only formats:
 - fp16: weights rounded to fp16, float32 activations and sums; a C kernel over a tiled copy
   (models/kernels/fp16_gemv.c), FBGEMM where it does not build (models/formats/fp16_kernel.py). For
   CPUs without bf16 units, where the int8/int4 kernels are compute-bound.
+- q8 / q4: symmetric 8-bit / 4-bit codes per 32 inputs made from the checkpoint's weights, with
+  int8 activations (models/formats/q8_act_linear.py); float32 activations and sums. Made one
+  matrix at a time while the checkpoint is read (StreamingCompactor), so loading never holds
+  the float32 model: the default for large models on CPUs without bf16 units.
 - gguf: the GGUF file's own quantised blocks, multiplied as the float32 model's exact weights
   (models/formats/block_linear.py); float32 activations. Only for models converted from a GGUF.
 
@@ -34,7 +38,10 @@ from specdraft.models.kernels import build as kernels
 from specdraft.models.kernels import fp16_gemv
 from specdraft.models.kernels.decoder_layer import FP16_TILES, Linear, pointer
 
-WEIGHT_FORMATS = ("dtype", "int8", "int4", "fp16", "gguf", "gguf-q8")  # dtype: weights stay in the model's dtype
+WEIGHT_FORMATS = ("dtype", "int8", "int4", "fp16", "gguf", "gguf-q8", "q8", "q4")  # dtype: weights stay in the model's dtype
+# Blocks of 32 inputs with int8 activations (Q8ActLinear, llama.cpp's Q8_0 / Q4_0 arithmetic) made
+# from a checkpoint's own weights: compacted one matrix at a time while the checkpoint is read.
+BLOCK_FORMATS = ("q8", "q4")
 INT4_GROUP = 32
 # The packed kernels stream the weights once per 4 rows: right for decode and verify widths,
 # 2.5-3x slower than a bf16 GEMM for a prompt. Inputs of more tokens per row than a short forward
@@ -198,26 +205,38 @@ class Fp16Linear(nn.Module):
 INT8_PACK_MULTIPLE = 16  # _weight_int8pack_mm crashes (segfault) on other input widths
 
 
-def compact_linear(linear: nn.Linear, fmt: str, dtype: torch.dtype) -> nn.Module:
-    """The packed version of `linear`, or `linear` itself where no kernel takes its input width."""
-    weight, bias = linear.weight, linear.bias
+def compact_matrix(weight: torch.Tensor, bias: torch.Tensor | None, fmt: str, dtype: torch.dtype) -> nn.Module | None:
+    """`weight` [N, K] (and bias) as a `fmt` module, or None where no kernel takes its shape."""
     if fmt == "fp16":
         return Fp16Linear(weight, bias)
+    if fmt in BLOCK_FORMATS:
+        n, k = weight.shape
+        if n % q8_act_linear.OUT_BLOCK or k % q8_act_linear.ACT_GROUP:
+            return None
+        blocks = q8_act_linear.int8_blocks(weight) if fmt == "q8" else q8_act_linear.int4_blocks(weight)
+        return q8_act_linear.Q8ActLinear(blocks, bias)
     if fmt == "int4" and weight.shape[1] % INT4_GROUP == 0:
         return Int4Linear(weight, bias, dtype)
     if fmt not in ("int8", "int4"):
         raise ValueError(f"unknown weight format {fmt!r}")
     # int4 on a width its groups do not divide: int8 keeps it compact.
-    return Int8Linear(weight, bias, dtype) if weight.shape[1] % INT8_PACK_MULTIPLE == 0 else linear
+    return Int8Linear(weight, bias, dtype) if weight.shape[1] % INT8_PACK_MULTIPLE == 0 else None
+
+
+def compact_linear(linear: nn.Linear, fmt: str, dtype: torch.dtype) -> nn.Module:
+    """The packed version of `linear`, or `linear` itself where no kernel takes its input width."""
+    return compact_matrix(linear.weight, linear.bias, fmt, dtype) or linear
 
 
 def compact_weights(model: nn.Module, fmt: str, blocks: dict[str, Blocks] | None = None) -> list[str]:
-    """Replace every nn.Linear of the decoder layers and the LM head by its `fmt` version, in place.
+    """Replace every nn.Linear of the decoder layers and the LM head by its `fmt` version, in place
+    (what StreamingCompactor already compacted while loading is left as it is).
 
     The head that scores all V tokens becomes `model.packed_head`. The embedding table stays
     unpacked (input lookups, the screened head and the MTP drafter's clustered head read its
-    rows): in the model's dtype, or in fp16 under "fp16" (`narrow_tables`). "gguf" takes the
-    source file's blocks (loading.gguf_blocks.read_blocks). Returns notes for the user.
+    rows): in the model's dtype, or in fp16 under "fp16" (`narrow_tables`), or as the checkpoint
+    stores it under q8 / q4. "gguf" takes the source file's blocks
+    (loading.gguf_blocks.read_blocks). Returns notes for the user.
     """
     if fmt == "dtype":
         return []
@@ -239,28 +258,91 @@ def compact_weights(model: nn.Module, fmt: str, blocks: dict[str, Blocks] | None
                          f"float32 rows: {', '.join(kept[:4])}" + (" ..." if len(kept) > 4 else ""))
         return notes
     dtype = model.dtype
-    if model.head_weight.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"--weights {fmt} needs the CPU in bfloat16 or float32 (torch's packed kernels); "
-                         f"this model runs in {dtype} on {model.head_weight.device.type}")
-    if fmt == "fp16" and dtype != torch.float32:
-        raise ValueError(f"--weights fp16 computes in float32 (FBGEMM); this model runs in {dtype}")
+    check_compactable(fmt, dtype, model.head_weight.device.type)
     if hasattr(model, "fuse_projections"):
         model.fuse_projections()  # fewer, wider kernel calls per layer
     for layer in model.layers:
         for child in list(layer.modules()):
+            if hasattr(child, "compact_experts"):
+                child.compact_experts(lambda w: compact_matrix(w, None, fmt, dtype))
             for attr, sub in list(child.named_children()):
                 if type(sub) is nn.Linear:
                     setattr(child, attr, compact_linear(sub, fmt, dtype))
-    head = model.head_weight
-    if fmt == "fp16":
+    if model.packed_head is None:
+        compact_head(model, model.head_weight, fmt, dtype)
+    own_small_tensors(model)
+    return []
+
+
+def check_compactable(fmt: str, dtype: torch.dtype, device: str) -> None:
+    if device != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"--weights {fmt} needs the CPU in bfloat16 or float32 (torch's packed kernels); "
+                         f"this model runs in {dtype} on {device}")
+    if fmt in ("fp16",) + BLOCK_FORMATS and dtype != torch.float32:
+        raise ValueError(f"--weights {fmt} computes in float32; this model runs in {dtype}")
+    if fmt in BLOCK_FORMATS:
+        q8_act_linear.require_kernel()
+
+
+def compact_head(model: nn.Module, head: torch.Tensor, fmt: str, dtype: torch.dtype) -> None:
+    """`model.packed_head` from the [V, H] head weight in `fmt`, computing in `dtype`."""
+    if fmt in BLOCK_FORMATS:
+        model.packed_head = compact_matrix(head, None, fmt, dtype) or Int8Head(head.to(dtype), dtype)
+    elif fmt == "fp16":
         model.packed_head = Fp16Linear(head, None)  # greedy steps screen with it (models/formats/screened_head.py)
         narrow_tables(model)
     elif fmt == "int8" or head.shape[1] % INT4_GROUP:  # the compiled int8 head takes any width
         model.packed_head = Int8Head(head, dtype)  # compiles on first use; Runtime.load warms it up
     else:
         model.packed_head = Int4Linear(head, None, dtype)
-    own_small_tensors(model)
-    return []
+
+
+class StreamingCompactor:
+    """Compacts a model's matrices while its checkpoint is read, one tensor at a time (q8 / q4):
+    the loader hands each tensor over before converting it, so the float32 model never exists
+    and loading peaks at about the compact model plus one matrix.
+
+    Takes the decoder layers' bias-free linears, expert stacks (modules with `compact_experts`),
+    and builds the LM head from its source tensor (which the model keeps as stored: its rows are
+    still looked up as input embeddings)."""
+
+    def __init__(self, model: nn.Module, fmt: str, dtype: torch.dtype, device: torch.device | str):
+        check_compactable(fmt, dtype, torch.device(device).type)
+        self.model, self.fmt, self.dtype = model, fmt, dtype
+        self.places: dict[str, tuple[nn.Module, str]] = {}
+        for name, child in model.layers.named_modules():
+            prefix = f"layers.{name}." if name else "layers."
+            for attr, sub in child.named_children():
+                if type(sub) is nn.Linear and sub.bias is None:
+                    self.places[f"{prefix}{attr}.weight"] = (child, attr)
+            if hasattr(child, "compact_experts"):
+                for part in child.expert_parts:
+                    self.places[f"{prefix}{part}"] = (child, part)
+        self.head_source = "embed_tokens.weight" if model.lm_head is None else "lm_head.weight"
+
+    def takes(self, name: str) -> bool:
+        return name in self.places or name == self.head_source
+
+    def put(self, name: str, tensor: torch.Tensor) -> bool:
+        """Compact `tensor` into its place; True if the model also keeps the tensor as stored (the head's source)."""
+        make = lambda w: compact_matrix(w, None, self.fmt, self.dtype)  # noqa: E731
+        if name == self.head_source:
+            compact_head(self.model, tensor, self.fmt, self.dtype)
+            return True
+        owner, attr = self.places[name]
+        if hasattr(owner, "compact_experts"):
+            owner.compact_part(attr, tensor, make)
+            return False
+        packed = make(tensor)
+        setattr(owner, attr, packed if packed is not None else _linear_of(tensor.to(self.dtype)))
+        return False
+
+
+def _linear_of(weight: torch.Tensor) -> nn.Linear:
+    with torch.device("meta"):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = nn.Parameter(weight.clone(), requires_grad=False)
+    return linear
 
 
 def _gguf_weights(model: nn.Module, blocks: dict[str, Blocks] | None) -> list[str]:

@@ -1,0 +1,151 @@
+"""What a model will take in memory, known before any weight is read, and a refusal when it
+cannot fit: one line that names the setting that would, instead of the kernel's OOM killer.
+
+The estimate counts, from the model built on the meta device (shapes only):
+- weights: every matrix in the chosen format (q8 ~1.06 bytes a weight, q4 ~0.56, int8 ~1,
+  fp16 2, dtype its size), the LM head likewise; tables looked up a row at a time (token and
+  per-layer embeddings) as the format keeps them: views of the checkpoint under q8 / q4 (only
+  the token table counted, since the drafter's head reads its rows all over), else in memory;
+- the KV cache for the context asked for;
+- a working set: a forward's activations and logits, and the allocator's slack.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdraft.errors import SpecdraftError
+
+GB = 1 << 30
+BYTES_PER_WEIGHT = {"q8": 34 / 32, "q4": 18 / 32, "int8": 1.0, "int4": 0.6, "fp16": 2.0, "gguf": 1.1, "gguf-q8": 1.1}
+BASE_WORKING_SET = 384 << 20  # torch, the tokenizer, the allocator's slack
+DRAFT_ROWS = 9  # the widest verification a row runs (8 drafts + 1)
+SMALLER = {"dtype": "q8", "fp16": "q8", "int8": "q4", "q8": "q4"}  # the next format down
+
+
+@dataclass
+class Footprint:
+    weights: int
+    kv: int
+    working: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.working
+
+    def describe(self, fmt: str, context: int) -> str:
+        return (f"~{self.total / GB:.1f} GB (weights {self.weights / GB:.1f} GB as {fmt}, KV cache "
+                f"{self.kv / GB:.2f} GB for {context} tokens, working set {self.working / GB:.1f} GB)")
+
+
+def _matrices(model: nn.Module) -> list[torch.Tensor]:
+    """The weights a compact format packs: the decoder layers' linears and expert stacks."""
+    out = []
+    for module in model.layers.modules():
+        if type(module) is nn.Linear:
+            out.append(module.weight)
+        for part in getattr(module, "expert_parts", ()):
+            out.append(getattr(module, part))
+    return out
+
+
+def estimate(model: nn.Module, fmt: str, dtype: torch.dtype, context: int, batch_size: int = 1) -> Footprint:
+    """The footprint of `model` (built on the meta device) in weight format `fmt`, computing in
+    `dtype`, with a KV cache of `batch_size` rows of `context` positions."""
+    size = torch.finfo(dtype).bits // 8
+    per_weight = BYTES_PER_WEIGHT.get(fmt, size)
+    matrices = _matrices(model)
+    packed = {id(m) for m in matrices}
+    head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
+    tables = {"embed_tokens.weight", "embed_tokens_per_layer.weight", "lm_head.weight"}
+    weights = sum(m.numel() for m in matrices) * per_weight + head.numel() * per_weight
+    for name, p in model.named_parameters():
+        if id(p) in packed or name == "lm_head.weight":
+            continue
+        if name == "embed_tokens_per_layer.weight" and fmt in ("q8", "q4"):
+            continue  # read a row per token from the mapped checkpoint
+        if name in tables and fmt in ("q8", "q4"):
+            weights += p.numel() * 2  # as the checkpoint stores it (bf16)
+        elif name in tables and fmt in ("fp16", "gguf-q8"):
+            weights += p.numel() * 2
+        else:
+            weights += p.numel() * size
+    kv = kv_bytes(model, dtype, context, batch_size)
+    logits = batch_size * DRAFT_ROWS * head.shape[0] * 4 * 3  # scores, probabilities, a sort's scratch
+    return Footprint(int(weights), kv, BASE_WORKING_SET + logits)
+
+
+def kv_bytes(model: nn.Module, dtype: torch.dtype, context: int, batch_size: int = 1) -> int:
+    size = torch.finfo(dtype).bits // 8
+    total = 0
+    for layer in model.kv_layers():
+        layout = model.attention_layout(layer)
+        total += 2 * layout.num_kv_heads * layout.head_dim * size
+    return total * context * batch_size
+
+
+def available_memory() -> int:
+    """Bytes this process may still use: $SPECDRAFT_MEMORY_LIMIT (e.g. 16G) if set, else the
+    smaller of the kernel's MemAvailable and this cgroup's free allowance."""
+    limit = os.environ.get("SPECDRAFT_MEMORY_LIMIT")
+    if limit:
+        return parse_bytes(limit)
+    free = _meminfo_available()
+    cgroup = _cgroup_free()
+    return min(x for x in (free, cgroup) if x is not None) if (free or cgroup) else 1 << 62
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)i?B?\s*", text, re.I)
+    if not m:
+        raise SpecdraftError(f"SPECDRAFT_MEMORY_LIMIT={text!r}: use a size such as 16G or 800M")
+    scale = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * scale)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _cgroup_free() -> int | None:
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        return int(limit) - used
+    except (OSError, ValueError):
+        return None
+
+
+def check_fits(model: nn.Module, name: str, fmt: str, dtype: torch.dtype, context: int, batch_size: int = 1,
+               available: int | None = None) -> Footprint:
+    """The footprint, or a SpecdraftError naming what would fit when it exceeds the memory available."""
+    need = estimate(model, fmt, dtype, context, batch_size)
+    free = available_memory() if available is None else available
+    if need.total <= free:
+        return need
+    options = []
+    smaller = SMALLER.get(fmt)
+    if smaller is not None:
+        alt = estimate(model, smaller, dtype if smaller not in ("q8", "q4") else torch.float32, context, batch_size)
+        options.append(f"--weights {smaller} needs ~{alt.total / GB:.1f} GB")
+    shorter = context
+    while shorter > 512 and need.weights + need.working + kv_bytes(model, dtype, shorter, batch_size) > free:
+        shorter //= 2
+    if shorter < context and need.weights + need.working + kv_bytes(model, dtype, shorter, batch_size) <= free:
+        options.append(f"a context of {shorter} tokens fits")
+    hint = "; ".join(options) if options else "no smaller setting fits this machine"
+    raise SpecdraftError(f"{name} needs {need.describe(fmt, context)} but {free / GB:.1f} GB is available; {hint}")

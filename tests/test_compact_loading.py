@@ -1,0 +1,128 @@
+"""Loading straight into compact formats (q8 / q4, MoE experts included) and the memory check
+that runs before any weight is read.
+
+Tiny random Gemma 4 checkpoints (transformers' own classes, save_pretrained), one with PLE and
+KV sharing, one with routed experts and an untied head.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from gemma4_tiny import moe_overrides, randomize_, target_text_config  # noqa: E402
+from specdraft.drafters.ngram import NgramDrafter  # noqa: E402
+from specdraft.errors import SpecdraftError  # noqa: E402
+from specdraft.loading import describe_folder, load_folder  # noqa: E402
+from specdraft.loading.footprint import check_fits, estimate  # noqa: E402
+from specdraft.models.formats import q8_act_linear  # noqa: E402
+from specdraft.models.formats.quant import compact_weights  # noqa: E402
+from specdraft.speculative.engine import Engine  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not q8_act_linear.kernel_available(), reason="q8 kernels need x86 AVX2 and a C compiler")
+
+CONFIGS = {
+    "ple_kv_shared": {},
+    "moe_untied": dict(moe_overrides(), attention_k_eq_v=False, num_global_key_value_heads=None,
+                       tie_word_embeddings=False, final_logit_softcapping=None),
+}
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def folder(request, tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    ref = randomize_(transformers.Gemma4ForCausalLM(target_text_config(**CONFIGS[request.param])), seed=1)
+    out = tmp_path_factory.mktemp(request.param)
+    ref.to(torch.bfloat16).save_pretrained(out)  # the published checkpoints are bf16
+    return out
+
+
+def _load(folder: Path, fmt: str, stream: bool):
+    model, _, _ = load_folder(folder, torch.float32, "cpu", fmt if stream else "dtype")
+    compact_weights(model, fmt)
+    return model
+
+
+def _logits(model, ids: torch.Tensor) -> torch.Tensor:
+    cache = model.new_cache(ids.shape[0], ids.shape[1] + 4)
+    with torch.inference_mode():
+        return model.logits(model(ids, cache))
+
+
+IDS = torch.randint(3, 250, (2, 21), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_compacting_while_reading_equals_compacting_after(folder: Path, fmt: str) -> None:
+    streamed, loaded = _load(folder, fmt, True), _load(folder, fmt, False)
+    assert torch.equal(_logits(streamed, IDS), _logits(loaded, IDS))
+    kinds = {type(m).__name__ for m in streamed.layers.modules()}
+    assert "Q8ActLinear" in kinds and type(streamed.packed_head).__name__ == "Q8ActLinear"
+    assert not any(n.endswith(("gate_up_proj", "down_proj")) and p.dim() == 3 for n, p in streamed.named_parameters())
+
+
+def test_tables_stay_as_the_checkpoint_stores_them(folder: Path) -> None:
+    model = _load(folder, "q8", True)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16
+    if getattr(model, "embed_tokens_per_layer", None) is not None:
+        assert model.embed_tokens_per_layer.weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("top", [127, 7])
+def test_block_codes_round_each_weight_to_the_nearest_step(top: int) -> None:
+    """q8 / q4 codes: w = s * c with |c| <= top and s = max|w| / top per 32 inputs, so every weight
+    is within half a step of its code (the arithmetic's own bound; model-level drift on random
+    weights says nothing about real ones). Rows past a chunk boundary round the same way."""
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(2)) * torch.logspace(-3, 1, 96)
+    blocks = q8_act_linear.symmetric_blocks(w, top, chunk=16)
+    step = blocks.scales.repeat_interleave(32, dim=1)
+    assert int(blocks.codes.abs().max()) <= top
+    assert bool(((w - blocks.dequantized()).abs() <= step / 2 * (1 + 1e-6)).all())
+    assert torch.equal(blocks.codes, q8_act_linear.symmetric_blocks(w, top).codes)
+
+
+def test_speculative_equals_plain_in_q8(folder: Path) -> None:
+    model = _load(folder, "q8", True)
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randint(3, 250, (6,), generator=gen).tolist()
+    prompts = [base * 3, base[:4] * 4 + base]  # repeats give the lookup drafter something to propose
+    plain = Engine(model).generate(prompts, max_new_tokens=16, eos_token_ids=[])
+    drafted = Engine(model, drafter=NgramDrafter(), draft_tokens=4).generate(prompts, max_new_tokens=16, eos_token_ids=[])
+    assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+
+
+def test_estimate_counts_formats_and_context(folder: Path) -> None:
+    _, shape = describe_folder(folder)
+    q8, q4 = estimate(shape, "q8", torch.float32, 1024), estimate(shape, "q4", torch.float32, 1024)
+    assert q4.weights < q8.weights < estimate(shape, "dtype", torch.float32, 1024).weights
+    assert estimate(shape, "q8", torch.float32, 2048).kv == 2 * q8.kv
+    assert estimate(shape, "q8", torch.float32, 1024, batch_size=4).kv == 4 * q8.kv
+
+
+def test_a_model_that_cannot_fit_is_refused_before_any_weight_is_read(folder: Path, tmp_path: Path,
+                                                                     monkeypatch) -> None:
+    from specdraft.runtime import Runtime
+
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in folder.iterdir():
+        (broken / f.name).write_bytes(b"not a safetensors file" if f.suffix == ".safetensors" else f.read_bytes())
+    _, shape = describe_folder(folder)
+    need = estimate(shape, "q8", torch.float32, 4096).total
+    monkeypatch.setenv("SPECDRAFT_MEMORY_LIMIT", str(need // 2))
+    with pytest.raises(SpecdraftError, match=r"needs ~.* GB \(weights .* as q8, KV cache .* GB for 4096 tokens.*is available"):
+        Runtime.load(str(broken), weights="q8", progress=False, context=4096)
+
+
+def test_the_refusal_names_a_setting_that_fits(folder: Path) -> None:
+    _, shape = describe_folder(folder)
+    q8 = estimate(shape, "q8", torch.float32, 65536)
+    short = estimate(shape, "q8", torch.float32, 512)
+    with pytest.raises(SpecdraftError, match=r"a context of \d+ tokens fits"):
+        check_fits(shape, "tiny", "q8", torch.float32, 65536, available=(q8.total + short.total) // 2)
+    with pytest.raises(SpecdraftError, match=r"--weights q4 needs"):
+        check_fits(shape, "tiny", "q8", torch.float32, 512, available=short.total - 1)

@@ -50,12 +50,17 @@ TARGETS = {"ple_kv_shared": {}, "moe": moe_overrides()}
 # characters ("▁" is a space), a few merged pieces, two byte tokens, a turn marker, then filler.
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"]
 CHARS = ["\u2581", "\n"] + list("abcdefghijklmnopqrstuvwxyz")
-MERGES = ["h e", "l l", "he ll", "hell o", "\u2581 w", "\u2581w o", "\u2581wo r", "\u2581wor l", "\u2581worl d", "\n \n"]
+# Merges apply by their rank in the file, which is not the vocabulary's order: "b c" outranks
+# "a b" although "ab" has the lower id, so "abc" is a + bc (a tokenizer ranking merges by the
+# merged piece's id, as SentencePiece files without merges need, would give ab + c).
+MERGES = ["h e", "l l", "he ll", "hell o", "\u2581 w", "\u2581w o", "\u2581wo r", "\u2581wor l", "\u2581worl d", "\n \n",
+          "b c", "a b"]
+PIECES = ["he", "ll", "hell", "hello", "\u2581w", "\u2581wo", "\u2581wor", "\u2581worl", "\u2581world", "\n\n", "ab", "bc"]
 BYTES = ["<0x21>", "<0x3F>"]  # "!" and "?", reached only through byte fallback
 
 
 def _vocab(size: int) -> tuple[list[str], list[int]]:
-    merged = [m.replace(" ", "") for m in MERGES]
+    merged = PIECES
     tokens = SPECIALS + CHARS + merged + BYTES
     types = ([int(gguf.TokenType.CONTROL)] * len(SPECIALS) + [int(gguf.TokenType.NORMAL)] * (len(CHARS) + len(merged))
              + [int(gguf.TokenType.BYTE)] * len(BYTES))
@@ -91,16 +96,21 @@ def _stored(values: np.ndarray, qtype) -> tuple[np.ndarray, np.ndarray]:
     return data, gguf.quants.dequantize(data, qtype).astype(np.float32).reshape(values.shape)
 
 
-def write_target_gguf(path: Path, model, tokenizer: bool = True, split_experts: bool = False) -> None:
+def write_target_gguf(path: Path, model, tokenizer: bool = True, split_experts: bool = False,
+                      ollama: bool = False) -> None:
     """`model` (transformers' Gemma4ForCausalLM) as a GGUF in llama.cpp's layout; afterwards the
     model holds exactly the values the file stores. `split_experts`: each expert stack as
-    ffn_gate_exps + ffn_up_exps (the halves of gate_up_proj) instead of ffn_gate_up_exps."""
+    ffn_gate_exps + ffn_up_exps (the halves of gate_up_proj) instead of ffn_gate_up_exps.
+    `ollama`: as Ollama's converter writes it: tokenizer model "llama" with pre-tokenizer
+    "gemma4", and vision/audio tower tensors in the same file."""
     cfg = published_fields(model.config)
     writer = gguf.GGUFWriter(str(path), "gemma4")
     gguf_metadata(writer, cfg, "tiny-gemma4")
     if tokenizer:
         tokens, types = _vocab(cfg["vocab_size"])
-        writer.add_tokenizer_model("gemma4")
+        writer.add_tokenizer_model("llama" if ollama else "gemma4")
+        if ollama:
+            writer.add_tokenizer_pre("gemma4")
         writer.add_token_list(tokens)
         writer.add_token_scores([0.0] * len(tokens))
         writer.add_token_types(types)
@@ -112,6 +122,9 @@ def write_target_gguf(path: Path, model, tokenizer: bool = True, split_experts: 
         writer.add_add_bos_token(True)
         writer.add_add_space_prefix(False)
     writer.add_tensor("rope_freqs.weight", rope_freqs(cfg))
+    if ollama:  # a few tower tensors, as Ollama names them (values irrelevant: skipped)
+        for name in ("v.blk.0.attn_q.weight", "a.blk.0.ffn_up.weight", "mm.input_projection.weight", "v.clamp_data"):
+            writer.add_tensor(name, np.ones((4, 32), dtype=np.float32))
     with torch.no_grad():
         for name, param in model.state_dict().items():
             if name == "lm_head.weight":  # tied: llama.cpp writes no output.weight
@@ -192,6 +205,23 @@ def test_split_expert_stacks_load(tmp_path):
     assert_fp32_close(model.logits(model(ids, model.new_cache(1, 16))), theirs, reduction_depth(model.config))
 
 
+def test_ollama_layout_loads(tmp_path):
+    """Ollama's single-file Gemma 4: the same text tensors, the vision/audio towers beside them
+    (skipped), and the Gemma 4 tokenizer spelled as model "llama", pre-tokenizer "gemma4"."""
+    ref = randomize_(transformers.Gemma4ForCausalLM(target_text_config()), seed=28)
+    path = tmp_path / "ollama.gguf"
+    write_target_gguf(path, ref, ollama=True)
+    convert_gguf(path, tmp_path / "converted", progress=False)
+    model, _, _ = load_folder(tmp_path / "converted", torch.float32, "cpu")
+    ids = torch.randint(5, 250, (1, 9), generator=torch.Generator().manual_seed(29))
+    with torch.no_grad():
+        theirs = ref(ids).logits
+    assert_fp32_close(model.logits(model(ids, model.new_cache(1, 16))), theirs, reduction_depth(model.config))
+    tokens, _ = _vocab(256)
+    ids = Tokenizer(tmp_path / "converted").encode("hello world\n\nhello!abc")
+    assert [tokens[i] for i in ids] == ["<bos>", "hello", "\u2581world", "\n\n", "hello", "<0x21>", "a", "bc"]
+
+
 def test_runtime_loads_the_gguf_with_its_own_blocks(pair, tmp_path, monkeypatch):
     """The path a user takes (`--model file.gguf`): converted once into the cache, then run on the
     file's own Q8_0 blocks (--weights gguf); greedy tokens are transformers'."""
@@ -229,9 +259,9 @@ def test_gemma4_tokenizer_from_the_gguf(pair):
     folder = path.parent / "converted"
     tok = Tokenizer(folder)
     tokens, _ = _vocab(256)
-    ids = tok.encode("hello world\n\nhello!")
-    assert [tokens[i] for i in ids] == ["<bos>", "hello", "\u2581world", "\n\n", "hello", "<0x21>"]
-    assert tok.decode(ids[1:]) == "hello world\n\nhello!"
+    ids = tok.encode("hello world\n\nhello!abc")
+    assert [tokens[i] for i in ids] == ["<bos>", "hello", "\u2581world", "\n\n", "hello", "<0x21>", "a", "bc"]
+    assert tok.decode(ids[1:]) == "hello world\n\nhello!abc"
     assert tokens.index("<turn|>") in __import__("json").loads((folder / "config.json").read_text())["eos_token_id"]
 
 

@@ -15,7 +15,9 @@ in attention.key_length (full) and key_length_swa (sliding), KV heads and the ML
 per-layer arrays (sliding vs full; double-wide KV-shared layers), the layer types as the bool
 array attention.sliding_window_pattern, the full layers' proportional RoPE as freq factors in
 `rope_freqs` (1 for rotated pairs, 1e30 for the rest). Full layers without attn_v use K as V
-(attention_k_eq_v). A `gemma4-assistant` GGUF (the MTP drafter, llama.cpp's layout) becomes a
+(attention_k_eq_v). Ollama's files say tokenizer model "llama" with pre-tokenizer "gemma4" and
+keep the vision and audio towers (v.*, a.*, mm.*) in the same file; those are skipped, as the
+towers of a Hugging Face folder are. A `gemma4-assistant` GGUF (the MTP drafter, llama.cpp's layout) becomes a
 Gemma 4 assistant folder: its own tied table `token_embd`, `nextn.pre_projection` /
 `nextn.post_projection`, query-only blocks; it carries no clustered head, so it drafts with a
 dense one, as llama.cpp does.
@@ -94,6 +96,9 @@ SUPPORTED_ARCHS = ("gemma3", "gemma4", GEMMA4_ASSISTANT, "llama", "qwen2", "qwen
 _UNROTATED = 1e29
 # Gemma 4 -it turn ends, stop tokens beside <eos> (transformers' GGUF loader adds the same ones).
 _GEMMA4_STOP_TOKENS = ("<turn|>", "<|tool_response>", "<end_of_turn>")
+# Vision and audio towers and their projectors, which Ollama keeps in the same file as the text
+# decoder (llama.cpp puts them in a separate mmproj file); specdraft runs text only.
+_GEMMA4_TOWERS = ("v.", "a.", "mm.")
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -219,8 +224,9 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
 
 
 def _gemma4_hf_name(gguf_name: str, arch: str) -> str | None:
-    """A gemma4 / gemma4-assistant GGUF tensor's HF name (None: read into the config, not a weight)."""
-    if gguf_name == "rope_freqs.weight":
+    """A gemma4 / gemma4-assistant GGUF tensor's HF name (None: not a text-decoder weight: the
+    rope_freqs read into the config, or a vision/audio tower's tensor)."""
+    if gguf_name == "rope_freqs.weight" or gguf_name.startswith(_GEMMA4_TOWERS):
         return None
     if gguf_name in _GEMMA4_TOP:
         return _GEMMA4_TOP[gguf_name]
@@ -495,7 +501,7 @@ def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> None:
     split_experts: dict[str, dict[str, np.ndarray]] = {}
     for t in tqdm(reader.tensors, desc=f"dequantising {path.name}", unit="tensor", disable=not progress):
         name = _hf_name(t.name, arch)
-        if name is None:  # rope_freqs: read into the config already
+        if name is None:  # rope_freqs (read into the config already), vision/audio towers
             continue
         try:
             w = quants.dequantize(t.data, t.tensor_type).astype(np.float32)

@@ -11,7 +11,8 @@ from that, for the two tokenizer families llama.cpp calls:
 * "gemma4": SentencePiece-style BPE with the merges in the file (Gemma 4). As llama.cpp's
   gemma4 pre-type: spaces become "▁", text is split into runs of newlines and runs of anything
   else ([^\n]+|[\n]+), merges act on characters (not GPT-2 bytes), a character without a
-  token falls back to <0xNN> byte tokens, and BOS is added.
+  token falls back to <0xNN> byte tokens, and BOS is added. Ollama's Gemma 4 files spell the same
+  tokenizer as model "llama" with pre-tokenizer "gemma4" (and the merges).
 
 Only `gguf` and `tokenizers` are used; transformers' own GGUF loader serves as the test oracle.
 """
@@ -108,7 +109,8 @@ def read_vocab(reader: GGUFFile) -> GGUFVocab:
         special_ids={name: i for name, i in special_ids.items() if i is not None and 0 <= i < len(tokens)},
         # llama.cpp adds BOS for SentencePiece vocabularies unless the file says otherwise (and
         # always for gemma4's).
-        add_bos=model == "gemma4" or bool(reader.value("tokenizer.ggml.add_bos_token", model == "llama")),
+        add_bos=model == "gemma4" or reader.value("tokenizer.ggml.pre") == "gemma4"
+        or bool(reader.value("tokenizer.ggml.add_bos_token", model == "llama")),
         add_eos=bool(reader.value("tokenizer.ggml.add_eos_token", False)),
         add_space_prefix=bool(reader.value("tokenizer.ggml.add_space_prefix", model == "llama")),
     )
@@ -323,6 +325,8 @@ _BUILDERS = {"llama": _sentencepiece_tokenizer, "gpt2": _byte_level_tokenizer, "
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     """The `tokenizers.Tokenizer` equivalent to the GGUF's tokenizer."""
     builder = _BUILDERS.get(vocab.model)
+    if vocab.pre == "gemma4" and vocab.merges:  # Ollama's Gemma 4 files: model "llama", Gemma 4's BPE
+        builder = _gemma4_tokenizer
     if builder is None:
         raise ValueError(
             f"unsupported GGUF tokenizer model {vocab.model!r} (tokenizer.ggml.model); supported: {sorted(_BUILDERS)}"

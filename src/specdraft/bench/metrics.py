@@ -11,8 +11,9 @@ Definitions (Spec-Bench's where it has one):
   averaged first). `seconds` is the row's latency from the start of its batch.
 - speedup: a method's mean per-prompt rate over the reference's (specdraft plain, same run,
   same prompts, same batch size), i.e. the ratio of the two means, not the mean of ratios.
-- tau: new tokens per target forward (the prefill counts as one), summed over prompts.
-- acceptance by position i: accepted drafts at i / drafts proposed at i, summed over prompts.
+- tau: new tokens per target forward (the prefill counts as one), summed over prompts;
+- acceptance by position i: accepted drafts at i / drafts proposed at i, summed over prompts
+  (both as speculative/stats.py computes them for generate and serve).
 - identical rate: the share of prompts whose new token ids equal the reference's exactly.
 - throughput: all new tokens / all wall time of the batches; latency: mean row seconds.
 - decode ms/token: (seconds - ttft) / (new_tokens - 1), summed over prompts: the time per token
@@ -37,6 +38,8 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 from statistics import fmean
+
+from specdraft.speculative.stats import RequestStats, merge
 
 INTERVAL_LEVEL = 0.9
 BOOTSTRAP_DRAWS = 1000
@@ -100,26 +103,23 @@ def speedup_interval(rows: list[dict], reference: list[dict], level: float = INT
     return ratios[int(tail)], ratios[len(ratios) - 1 - int(tail)]
 
 
+def request_stats(row: dict) -> RequestStats:
+    """A row record's speculative counters as the engine keeps them (absent ones count 0)."""
+    drafted, accepted = list(row.get("drafted_by_position") or []), list(row.get("accepted_by_position") or [])
+    positions = min(len(drafted), len(accepted))
+    return RequestStats(positions, row["new_tokens"], row.get("target_forwards") or 0, drafted[:positions],
+                        accepted[:positions])
+
+
 def tau(rows: list[dict]) -> float | None:
     counted = [r for r in rows if r.get("target_forwards")]
     if not counted:
         return None
-    return sum(r["new_tokens"] for r in counted) / sum(r["target_forwards"] for r in counted)
+    return merge([request_stats(r) for r in counted]).mean_accepted
 
 
 def acceptance_by_position(rows: list[dict]) -> list[float | None] | None:
-    drafted: list[int] = []
-    accepted: list[int] = []
-    for r in rows:
-        for i, (d, a) in enumerate(zip(r.get("drafted_by_position") or [], r.get("accepted_by_position") or [])):
-            if i == len(drafted):
-                drafted.append(0)
-                accepted.append(0)
-            drafted[i] += d
-            accepted[i] += a
-    if not drafted:
-        return None
-    return [a / d if d else None for a, d in zip(accepted, drafted)]
+    return merge([request_stats(r) for r in rows]).acceptance_by_position or None
 
 
 def identical_rate(rows: list[dict], reference: list[dict]) -> float | None:

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import make_tiny
 from specdraft.cli.main import build_parser, main
-from specdraft.cli.train import _drafter_config
+from specdraft.training.pipeline import drafter_config
 from specdraft.config import FULL, SLIDING
 from specdraft.drafters.mtp import init_network, save_network
 from specdraft.drafters.mtp.checkpoint import (default_clusters, default_heads, default_top_k_clusters,
@@ -45,7 +45,7 @@ def train_args(model: Path | str, out: Path, *extra: str):
 
 def derived(model: Path | str, tmp_path: Path, *extra: str):
     rt = Runtime.load(str(model), "float32", "cpu", progress=False)
-    return rt, _drafter_config(rt, train_args(model, tmp_path, *extra), 4)
+    return rt, drafter_config(rt, train_args(model, tmp_path, *extra), 4)
 
 
 # --------------------------------------------------------------------------- derived defaults
@@ -245,7 +245,7 @@ def test_a_missing_input_file_is_refused_before_the_target_loads(capsys, smollm2
 def test_resume_refuses_flags_that_contradict_the_checkpoint(capsys, smollm2_like, tmp_path, no_generation):
     rt = Runtime.load(str(smollm2_like), "float32", "cpu", progress=False)
     ckpt = tmp_path / "run" / "checkpoint"
-    save_network(init_network(_drafter_config(rt, train_args(smollm2_like, tmp_path), 4), rt.model), ckpt)
+    save_network(init_network(drafter_config(rt, train_args(smollm2_like, tmp_path), 4), rt.model), ckpt)
     (ckpt / "state.json").write_text("{}")
     line = one_line(*run_train(capsys, smollm2_like, tmp_path, "--resume", "--heads", "3"))
     assert "--heads 3 differs from the checkpoint" in line and "(--heads 6)" in line, line
@@ -259,7 +259,7 @@ def test_resume_refuses_flags_that_contradict_the_checkpoint(capsys, smollm2_lik
 def test_init_from_keeps_the_drafters_shape(capsys, smollm2_like, tmp_path, no_generation):
     rt = Runtime.load(str(smollm2_like), "float32", "cpu", progress=False)
     folder = tmp_path / "trained"
-    save_network(init_network(_drafter_config(rt, train_args(smollm2_like, tmp_path, "--hidden", "48"), 4), rt.model),
+    save_network(init_network(drafter_config(rt, train_args(smollm2_like, tmp_path, "--hidden", "48"), 4), rt.model),
                  folder)
     line = one_line(*run_train(capsys, smollm2_like, tmp_path, "--init-from", str(folder), "--hidden", "32"))
     assert "--hidden 32 differs from the drafter given to --init-from" in line and "(--hidden 48)" in line, line
@@ -270,7 +270,7 @@ def test_init_from_keeps_the_drafters_shape(capsys, smollm2_like, tmp_path, no_g
 def test_init_from_with_more_layers_deepens_the_drafter(capsys, smollm2_like, tmp_path, no_generation):
     rt = Runtime.load(str(smollm2_like), "float32", "cpu", progress=False)
     folder = tmp_path / "trained"
-    save_network(init_network(_drafter_config(rt, train_args(smollm2_like, tmp_path), 4), rt.model), folder)
+    save_network(init_network(drafter_config(rt, train_args(smollm2_like, tmp_path), 4), rt.model), folder)
     line = one_line(*run_train(capsys, smollm2_like, tmp_path, "--init-from", str(folder), "--layers", "1"))
     assert "--layers 1 differs from the drafter given to --init-from" in line and "(--layers 2)" in line, line
     code, err = run_train(capsys, smollm2_like, tmp_path, "--init-from", str(folder), "--layers", "3")

@@ -341,3 +341,14 @@ def init_distributed() -> bool:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return True
+
+
+def is_first_rank() -> bool:
+    """Whether this process records data and prints results: rank 0 of torchrun, or the only one."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every torchrun process (nothing to wait for in a single process)."""
+    if dist.is_initialized():
+        dist.barrier()

@@ -93,10 +93,10 @@ class Runtime:
         folder = resolve_model(name_or_path, progress)
         cfg, shape = describe_folder(folder)
         blocks = weights == "auto" and _has_blocks(name_or_path, folder)
-        dt = resolve_dtype(dtype, dev, weights, gguf_blocks=blocks)
+        large = matrix_parameters(shape) >= LARGE_MODEL_PARAMETERS
+        dt = resolve_dtype(dtype, dev, weights, gguf_blocks=blocks, large=large)
         # int8 rows (gguf-q8) where the CPU has the kernel, unless prompts in a float dtype are asked for
         int8_rows = blocks and prefill_dtype == "auto" and q8_act_linear.kernel_available()
-        large = matrix_parameters(shape) >= LARGE_MODEL_PARAMETERS
         fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto", gguf_blocks=blocks, int8_rows=int8_rows,
                               large=large)
         prompts = resolve_prefill_dtype(prefill_dtype, fmt, dtype_chosen=dtype == "auto")

@@ -13,13 +13,16 @@ from specdraft.models.formats.q8_act_linear import kernel_available as q8_kernel
 FLOAT32_WEIGHTS = ("fp16", "gguf", "gguf-q8", "q8", "q4")  # formats whose CPU kernels take float32 rows
 
 
-def resolve_dtype(name: str, device: torch.device, weights: str = "auto", gguf_blocks: bool = False) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, weights: str = "auto", gguf_blocks: bool = False,
+                  large: bool = False) -> torch.dtype:
     """auto = bfloat16 on CUDA or on CPUs with bf16 units, else float32; but float32 on any CPU
     where the weights run on float32 kernels: --weights fp16 or gguf, or weights auto for a model
     whose GGUF blocks the C kernels read (`gguf_blocks`): on an AVX512-BF16 EPYC those steps
-    measured 1.6x faster than bfloat16 with int8 weights (BENCHMARKS.md), and float32 is exact."""
+    measured 1.6x faster than bfloat16 with int8 weights (BENCHMARKS.md), and float32 is exact.
+    Also float32 for a `large` model with weights auto where the q8 kernel runs (see resolve_weights)."""
     if name == "auto":
-        if device.type == "cpu" and (weights in FLOAT32_WEIGHTS or (weights == "auto" and gguf_blocks)):
+        blocks = gguf_blocks or (large and device.type == "cpu" and q8_kernel_available())
+        if device.type == "cpu" and (weights in FLOAT32_WEIGHTS or (weights == "auto" and blocks)):
             return torch.float32
         if device.type == "cuda" or cpu_has_bf16_units():
             return torch.bfloat16

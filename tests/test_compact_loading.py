@@ -126,3 +126,18 @@ def test_the_refusal_names_a_setting_that_fits(folder: Path) -> None:
         check_fits(shape, "tiny", "q8", torch.float32, 65536, available=(q8.total + short.total) // 2)
     with pytest.raises(SpecdraftError, match=r"--weights q4 needs"):
         check_fits(shape, "tiny", "q8", torch.float32, 512, available=short.total - 1)
+
+
+def test_a_step_reads_one_row_of_each_lookup_table(folder: Path) -> None:
+    """`specdraft steps` divides these bytes by the bandwidth for its floor: a per-layer table a
+    step gathers one row of must not count whole (E2B's is 4.7 GB, a step reads 18 KB of it)."""
+    from specdraft.bench.steps import weight_bytes_per_step
+
+    model = _load(folder, "q8", True)
+    before = weight_bytes_per_step(model)
+    table = model.embed_tokens.weight
+    grown = torch.nn.Embedding(table.shape[0] * 64, table.shape[1], dtype=table.dtype)
+    model.embed_tokens = grown  # the q8 head is packed apart: the token table is looked up only
+    assert weight_bytes_per_step(model) == before
+    packed = sum(b.numel() * b.element_size() for b in model.packed_head.buffers())
+    assert before >= packed + table[0].numel() * table.element_size()

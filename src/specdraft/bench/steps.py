@@ -26,12 +26,15 @@ class StepTime:
 
 
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads: every weight and packed buffer except the input embedding table
-    (one row is gathered per token), whose bytes count again when the LM head is tied to it, and
+    """Bytes a one-token decode step reads: every weight and packed buffer at its stored size,
+    but one row of each lookup table (token and per-layer embeddings: one row is gathered per
+    token), the token table again in full when the LM head is tied to it and unpacked, and no
     copies only prompts read (bf16 prompt weights, models/formats/block_linear.py)."""
+    tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    total = sum(t.numel() * t.element_size() for i, t in tensors.items() if i not in tables)
+    total += sum(t[0].numel() * t.element_size() for t in tables.values())
     embed = model.embed_tokens.weight
-    total = sum(t.numel() * t.element_size() for i, t in tensors.items() if i != id(embed))
     total += sum(getattr(m, "packed_nbytes", 0) for m in model.modules())  # FBGEMM's fp16 copies (the screen's too)
     prompt_only = [getattr(m, "prompt_weight", None) for m in model.modules()]
     total -= sum(w.numel() * w.element_size() for w in prompt_only if w is not None)

@@ -24,7 +24,9 @@ transformers = pytest.importorskip("transformers")
 gguf = pytest.importorskip("gguf")
 
 from conftest import assert_fp32_close, reduction_depth  # noqa: E402
-from gemma4_real_size import Spec, gguf_metadata, gguf_name, gguf_tensor, rope_freqs  # noqa: E402
+from gemma4_real_size import SIZES, Spec, gguf_metadata, gguf_tensor, rope_freqs  # noqa: E402
+from gemma4_real_size import assistant_config as published_assistant  # noqa: E402
+from gemma4_real_size import text_config as published_text  # noqa: E402
 from gemma4_tiny import (  # noqa: E402
     assistant_config,
     greedy_sequences,
@@ -36,9 +38,12 @@ from specdraft.config import FULL, SLIDING  # noqa: E402
 from specdraft.drafters.base import DraftInput  # noqa: E402
 from specdraft.drafters.mtp import load_mtp_drafter  # noqa: E402
 from specdraft.drafters.mtp.checkpoint import check_drafter_fits  # noqa: E402
+from specdraft.drafters.mtp.config import MTPConfig  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 from specdraft.loading import load_folder  # noqa: E402
-from specdraft.loading.gguf_file import convert_gguf  # noqa: E402
+from specdraft.loading.gguf_file import convert_gguf, gguf_config  # noqa: E402
+from specdraft.models.architectures.gemma4_config import gemma4_params  # noqa: E402
+from specdraft.models.architectures.hf_config import read_model_config  # noqa: E402
 from specdraft.sampling import SamplingParams  # noqa: E402
 from specdraft.speculative.engine import Engine  # noqa: E402
 from specdraft.tokenizer import Tokenizer  # noqa: E402
@@ -276,6 +281,76 @@ def test_header_only_config_refuses_a_mismatched_assistant(pair, tmp_path):
         check_drafter_fits(tmp_path, str(path))
 
 
+def _header_only_gguf(path: Path, cfg: dict) -> None:
+    """A GGUF with a published config's keys and rope_freqs, and stand-ins (one column each) for
+    the tensors whose presence or rows the config is read from: every key at its real value."""
+    writer = gguf.GGUFWriter(str(path), "gemma4")
+    gguf_metadata(writer, cfg, "published")
+    writer.add_tensor("rope_freqs.weight", rope_freqs(cfg))
+    writer.add_tensor("token_embd.weight", np.zeros((cfg["vocab_size"], 1), dtype=np.float32))
+    if cfg["hidden_size_per_layer_input"]:
+        writer.add_tensor("per_layer_token_embd.weight", np.zeros((cfg["vocab_size_per_layer_input"], 1), np.float32))
+    first_shared = cfg["num_hidden_layers"] - cfg["num_kv_shared_layers"]
+    for i, t in enumerate(cfg["layer_types"][:first_shared]):
+        if t == SLIDING or not cfg["attention_k_eq_v"]:
+            writer.add_tensor(f"blk.{i}.attn_v.weight", np.zeros((1, 1), np.float32))
+    if cfg["enable_moe_block"]:
+        writer.add_tensor("blk.0.ffn_gate_inp.weight", np.zeros((1, 1), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_published_sizes_read_back_from_the_keys(size, tmp_path):
+    """At the published sizes, the config read from a GGUF's keys is the config the checkpoint's
+    config.json gives (every shape, KV sharing, PLE, experts, RoPE, window)."""
+    cfg = published_text(size)
+    _header_only_gguf(tmp_path / "t.gguf", cfg)
+    ours, theirs = read_model_config(gguf_config(tmp_path / "t.gguf")), read_model_config(cfg)
+    assert gemma4_params(ours) == gemma4_params(theirs)
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "layer_types",
+                  "rope", "sliding_window", "rms_norm_eps", "final_softcap", "tie_word_embeddings",
+                  "max_position_embeddings", "hidden_act"):
+        assert getattr(ours, field) == getattr(theirs, field), field
+
+
+def test_published_assistants_checked_against_gguf_headers(tmp_path):
+    """check_drafter_fits on real-size configs: each published assistant fits its own target's
+    GGUF and is refused by name for another size's (no weights exist anywhere here)."""
+    for size in ("e2b", "e4b"):
+        _header_only_gguf(tmp_path / f"{size}.gguf", published_text(size))
+        (tmp_path / f"{size}-assistant").mkdir()
+        (tmp_path / f"{size}-assistant" / "config.json").write_text(__import__("json").dumps(published_assistant(size)))
+    assert check_drafter_fits(tmp_path / "e2b-assistant", str(tmp_path / "e2b.gguf")).backbone_hidden_size == 1536
+    assert check_drafter_fits(tmp_path / "e4b-assistant", str(tmp_path / "e4b.gguf")).backbone_hidden_size == 2560
+    with pytest.raises(SpecdraftError, match=r"backbone_hidden_size 1536 != target hidden size 2560; .*KV heads 1 != "
+                                             r"target layer \d+ KV heads 2"):
+        check_drafter_fits(tmp_path / "e2b-assistant", str(tmp_path / "e4b.gguf"))
+
+
+@pytest.mark.parametrize("size", ["26b-a4b", "31b"])
+def test_published_assistant_gguf_headers(size, tmp_path):
+    """The gemma4-assistant GGUF of a published assistant (keys at their real values) reads as
+    that assistant's config and fits its target's GGUF, both from headers alone."""
+    published = published_assistant(size)
+    w = _assistant_keys(tmp_path / "a.gguf", published["text_config"], published["backbone_hidden_size"])
+    w.add_tensor("token_embd.weight", np.zeros((published["text_config"]["vocab_size"], 1), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _header_only_gguf(tmp_path / "t.gguf", published_text(size))
+    ours = check_drafter_fits(tmp_path / "a.gguf", str(tmp_path / "t.gguf"))
+    theirs = MTPConfig.from_dict(published)
+    for field in ("backbone_hidden_size", "hidden_size", "intermediate_size", "layer_types", "num_heads", "head_dim",
+                  "num_kv_heads", "vocab_size", "rms_norm_eps", "sliding_window", "rope", "clustered"):
+        value = getattr(ours, field)
+        assert (value() if callable(value) else value) == (getattr(theirs, field)() if callable(value)
+                                                           else getattr(theirs, field)), field
+
+
 # ---------------------------------------------------------------- the gemma4-assistant GGUF
 
 ASSISTANT_LAYER = {
@@ -291,34 +366,40 @@ ASSISTANT_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.w
                  "post_projection.weight": "nextn.post_projection.weight"}
 
 
+def _assistant_keys(path: Path, text: dict, backbone: int):
+    """A gguf.GGUFWriter for a gemma4-assistant GGUF with the keys of `text` (a text_config in
+    the published spelling) and its rope_freqs; the caller adds the tensors and writes it."""
+    arch = "gemma4-assistant"
+    w = gguf.GGUFWriter(str(path), arch)
+    n = text["num_hidden_layers"]
+    swa = [t == SLIDING for t in text["layer_types"]]
+    kv_full = text.get("num_global_key_value_heads") or text["num_key_value_heads"]
+    w.add_block_count(n)
+    w.add_context_length(text["max_position_embeddings"])
+    w.add_embedding_length(text["hidden_size"])
+    w.add_uint32(f"{arch}.embedding_length_out", backbone)
+    w.add_feed_forward_length(text["intermediate_size"])
+    w.add_head_count(text["num_attention_heads"])
+    w.add_head_count_kv([text["num_key_value_heads"] if s else kv_full for s in swa])
+    w.add_key_length(text["global_head_dim"])
+    w.add_value_length(text["global_head_dim"])
+    w.add_key_length_swa(text["head_dim"])
+    w.add_value_length_swa(text["head_dim"])
+    w.add_rope_freq_base(text["rope_parameters"][FULL]["rope_theta"])
+    w.add_rope_freq_base_swa(text["rope_parameters"][SLIDING]["rope_theta"])
+    w.add_sliding_window(text["sliding_window"])
+    w.add_sliding_window_pattern(swa)
+    w.add_shared_kv_layers(n)
+    w.add_layer_norm_rms_eps(text["rms_norm_eps"])
+    w.add_tensor("rope_freqs.weight", rope_freqs(text))
+    return w
+
+
 def write_assistant_gguf(path: Path, assistant) -> None:
     """A dense-head Gemma4AssistantForCausalLM as llama.cpp's gemma4-assistant GGUF (Q8_0 matrices,
     F32 vectors); afterwards the model holds exactly the values the file stores."""
-    text = assistant.config.get_text_config()
-    arch = "gemma4-assistant"
-    w = gguf.GGUFWriter(str(path), arch)
-    n = text.num_hidden_layers
-    swa = [t == SLIDING for t in text.layer_types]
-    kv = {t: _layer_attr(text, t, "num_key_value_heads") for t in (SLIDING, FULL)}
-    w.add_block_count(n)
-    w.add_context_length(text.max_position_embeddings)
-    w.add_embedding_length(text.hidden_size)
-    w.add_uint32(f"{arch}.embedding_length_out", assistant.config.backbone_hidden_size)
-    w.add_feed_forward_length(text.intermediate_size)
-    w.add_head_count(text.num_attention_heads)
-    w.add_head_count_kv([kv[SLIDING] if s else kv[FULL] for s in swa])
-    w.add_key_length(_layer_attr(text, FULL, "head_dim"))
-    w.add_value_length(_layer_attr(text, FULL, "head_dim"))
-    w.add_key_length_swa(_layer_attr(text, SLIDING, "head_dim"))
-    w.add_value_length_swa(_layer_attr(text, SLIDING, "head_dim"))
-    w.add_rope_freq_base(text.rope_parameters[FULL]["rope_theta"])
-    w.add_rope_freq_base_swa(text.rope_parameters[SLIDING]["rope_theta"])
-    w.add_sliding_window(text.sliding_window)
-    w.add_sliding_window_pattern(swa)
-    w.add_shared_kv_layers(n)
-    w.add_layer_norm_rms_eps(text.rms_norm_eps)
-    full_dim = _layer_attr(text, FULL, "head_dim")
-    w.add_tensor("rope_freqs.weight", rope_freqs({"global_head_dim": full_dim, "rope_parameters": text.rope_parameters}))
+    w = _assistant_keys(path, published_fields(assistant.config.get_text_config()),
+                        assistant.config.backbone_hidden_size)
     with torch.no_grad():
         for name, param in assistant.state_dict().items():
             if name == "lm_head.weight":

@@ -308,6 +308,12 @@ def _f32(path: Path, tensor) -> np.ndarray:
         raise SpecdraftError(f"{path}: cannot dequantise {tensor.name} ({e}); is the file truncated or corrupt?") from None
 
 
+def _decimal(value: Any) -> float | None:
+    """A float32 key as the decimal it was written from (1e-06, not 9.99999997e-07): the shortest
+    text that rounds to the same float32, so the config reads as the original one."""
+    return None if value is None else float(str(np.float32(value)))
+
+
 def _per_layer(path: Path, reader, key: str, n: int, default: Any = None) -> list[int]:
     """A key llama.cpp writes either as one number or as an array with one entry per layer."""
     value = reader.value(key, default)
@@ -372,11 +378,11 @@ def _gemma4_attention(path: Path, reader, arch: str, tensors: dict, n: int) -> d
         "global_head_dim": full_dim,
         "num_key_value_heads": kv.get(SLIDING, kv.get(FULL)),
         "sliding_window": int(a("attention.sliding_window", 512)),
-        "rms_norm_eps": float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": _decimal(a("attention.layer_norm_rms_epsilon", 1e-6)),
         "max_position_embeddings": int(a("context_length", 131072)),
         "rope_parameters": {
-            SLIDING: {"rope_type": "default", "rope_theta": float(a("rope.freq_base_swa", 10000.0))},
-            FULL: {"rope_type": "proportional", "rope_theta": float(a("rope.freq_base", 1_000_000.0)),
+            SLIDING: {"rope_type": "default", "rope_theta": _decimal(a("rope.freq_base_swa", 10000.0))},
+            FULL: {"rope_type": "proportional", "rope_theta": _decimal(a("rope.freq_base", 1_000_000.0)),
                    "partial_rotary_factor": 2 * rotated / full_dim},
         },
         "hidden_activation": "gelu_pytorch_tanh",
@@ -432,7 +438,7 @@ def _gemma4_config(path: Path, reader, tensors: dict, vocab: int) -> dict[str, A
         num_experts=experts if moe else None,
         top_k_experts=int(a("expert_used_count", 0)) if moe else None,
         moe_intermediate_size=int(a("expert_feed_forward_length", 0)) if moe else None,
-        final_logit_softcapping=a("final_logit_softcapping"),
+        final_logit_softcapping=_decimal(a("final_logit_softcapping")),
         tie_word_embeddings="output.weight" not in tensors,
         bos_token_id=reader.value("tokenizer.ggml.bos_token_id"),
         eos_token_id=list(dict.fromkeys(([eos] if eos is not None else []) + stops)) or None,

@@ -6,8 +6,9 @@ and not, greedy and seeded sampling), malformed ones (bad JSON, wrong types, lon
 refused parameters, oversized bodies, chunked too; each must get a 4xx JSON error), and clients
 that hang up (mid-stream, waiting for a non-streamed answer, or halfway through sending their
 body; their rows must be freed). It reports throughput, latency percentiles, tau, failures by
-kind (any 5xx, a request that hung, a wrong status, a broken stream, a row left in the batch),
-and the server's resident memory before and after. With --sigterm, halfway through the levels
+kind (any 5xx, a request that hung, a wrong status, a broken stream, a row left in the batch;
+429s, the server's answer when batch and queue are full, are counted but are no fault), and the
+server's resident memory before and after. With --sigterm, halfway through the levels
 the server gets SIGTERM under load: requests in flight must end with their answer or a 503
 "shutting down", the process must exit 0 within the drain; it is then restarted for the rest.
 Bounded in count and time.
@@ -86,7 +87,7 @@ class Outcome:
     seconds: float = 0.0
     tokens: int = 0
     forwards: int = 0
-    failure: str = ""  # 5xx | hung | status | stream | connection | leak
+    failure: str = ""  # 5xx | hung | status | stream | connection | leak; busy (a 429: reported, not a fault)
     detail: str = ""
 
 
@@ -100,6 +101,10 @@ class Level:
 
 def fail(kind: str, failure: str, detail: str) -> Outcome:
     return Outcome(kind, False, failure=failure, detail=detail)
+
+
+def status_failure(status: int) -> str:
+    return "5xx" if status >= 500 else "busy" if status == 429 else "status"
 
 
 def free_port() -> int:
@@ -171,7 +176,7 @@ async def send_valid(client: httpx.AsyncClient, path: str, body: dict) -> Outcom
     if not body.get("stream"):
         r = await client.post(path, json=body)
         if r.status_code != 200:
-            return fail("valid", "5xx" if r.status_code >= 500 else "status", f"{path} -> {r.status_code}: {r.text[:200]}")
+            return fail("valid", status_failure(r.status_code), f"{path} -> {r.status_code}: {r.text[:200]}")
         data = r.json()
         ext = data.get("specdraft", {})
         return Outcome("valid", True, time.perf_counter() - t0, data["usage"]["completion_tokens"],
@@ -180,7 +185,7 @@ async def send_valid(client: httpx.AsyncClient, path: str, body: dict) -> Outcom
     async with client.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             text = (await r.aread())[:200]
-            return fail("valid", "5xx" if r.status_code >= 500 else "status", f"{path} stream -> {r.status_code}: {text!r}")
+            return fail("valid", status_failure(r.status_code), f"{path} stream -> {r.status_code}: {text!r}")
         done = False
         async for line in r.aiter_lines():
             if line == "data: [DONE]":
@@ -232,7 +237,7 @@ async def hang_up_streamed(client: httpx.AsyncClient, rng: random.Random, max_to
     body = {"prompt": rng.choice(PROMPTS), "max_tokens": max_tokens * 4, "temperature": 0.0, "stream": True}
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
-            return fail("hangup", "5xx" if r.status_code >= 500 else "status", f"streamed hang-up -> {r.status_code}")
+            return fail("hangup", status_failure(r.status_code), f"streamed hang-up -> {r.status_code}")
         seen = 0
         async for line in r.aiter_lines():
             if line.startswith("data: "):
@@ -258,8 +263,9 @@ async def hang_up_raw(url: str, rng: random.Random, max_tokens: int, api_key: st
             first = await asyncio.wait_for(reader.read(64), rng.uniform(0.05, 0.3))
         except asyncio.TimeoutError:
             return Outcome("hangup", True)
-        if first[9:10] == b"5":
-            return fail("hangup", "5xx", f"hang-up answered early: {first!r}")
+        status = int(first[9:12]) if first[9:12].isdigit() else 0
+        if status >= 400:
+            return fail("hangup", status_failure(status), f"hang-up answered early: {first!r}")
         return Outcome("hangup", True)
     finally:
         writer.close()
@@ -334,13 +340,14 @@ def summarize(level: Level) -> dict:
     tokens = sum(o.tokens for o in valid)
     forwards = sum(o.forwards for o in valid)
     lat = [o.seconds for o in valid]
-    failures = [o for o in level.outcomes if not o.ok]
+    failures = [o for o in level.outcomes if not o.ok and o.failure != "busy"]
     return {
         "concurrency": level.concurrency,
         "requests": len(level.outcomes),
         "by_kind": {k: sum(o.kind == k for o in level.outcomes) for k in ("valid", "bad", "hangup")},
         "failures_by_kind": {f: sum(o.failure == f for o in failures) for f in sorted({o.failure for o in failures})},
         "failures": [f"{o.failure}: {o.detail}" for o in failures],
+        "busy_429": sum(o.failure == "busy" for o in level.outcomes),
         "wall_seconds": round(level.wall, 2),
         "valid_tokens_per_second": round(tokens / level.wall, 2) if level.wall else None,
         "requests_per_second": round(len(level.outcomes) / level.wall, 3) if level.wall else None,
@@ -536,7 +543,7 @@ def print_report(results: list[dict], out: Path) -> int:
                 print(f"  c={lv['concurrency']}: {lv['requests']} requests {lv['by_kind']}, "
                       f"{lv['valid_tokens_per_second']} tok/s, {lv['requests_per_second']} req/s, latency p50/p90/p99 "
                       f"{lv['latency_p50']}/{lv['latency_p90']}/{lv['latency_p99']} s, tau {lv['tau']}, "
-                      f"failures {lv['failures_by_kind'] or 0}, after {lv['after']}")
+                      f"failures {lv['failures_by_kind'] or 0}, 429s {lv['busy_429']}, after {lv['after']}")
                 for f in lv["failures"][:20]:
                     print(f"    FAIL {f}")
         if r["sigterm"] is not None:

@@ -261,17 +261,22 @@ def compact_weights(model: nn.Module, fmt: str, blocks: dict[str, Blocks] | None
     check_compactable(fmt, dtype, model.head_weight.device.type)
     if hasattr(model, "fuse_projections"):
         model.fuse_projections()  # fewer, wider kernel calls per layer
-    for layer in model.layers:
-        for child in list(layer.modules()):
-            if hasattr(child, "compact_experts"):
-                child.compact_experts(lambda w: compact_matrix(w, None, fmt, dtype))
-            for attr, sub in list(child.named_children()):
-                if type(sub) is nn.Linear:
-                    setattr(child, attr, compact_linear(sub, fmt, dtype))
+    for child in _compactable_modules(model):
+        if hasattr(child, "compact_experts"):
+            child.compact_experts(lambda w: compact_matrix(w, None, fmt, dtype))
+        for attr, sub in list(child.named_children()):
+            if type(sub) is nn.Linear and sub is not model.lm_head:
+                setattr(child, attr, compact_linear(sub, fmt, dtype))
     if model.packed_head is None:
         compact_head(model, model.head_weight, fmt, dtype)
     own_small_tensors(model)
     return []
+
+
+def _compactable_modules(model: nn.Module) -> list[nn.Module]:
+    """Modules whose linears a format packs: the decoder layers', and the model's own ones other
+    than the LM head (Gemma 4's per-layer input projection is read every step too)."""
+    return [m for m in model.modules() if m is not model.lm_head]
 
 
 def check_compactable(fmt: str, dtype: torch.dtype, device: str) -> None:
@@ -310,9 +315,13 @@ class StreamingCompactor:
         check_compactable(fmt, dtype, torch.device(device).type)
         self.model, self.fmt, self.dtype = model, fmt, dtype
         self.places: dict[str, tuple[nn.Module, str]] = {}
-        for name, child in model.layers.named_modules():
-            prefix = f"layers.{name}." if name else "layers."
+        for name, child in model.named_modules():
+            if child is model.lm_head:
+                continue
+            prefix = f"{name}." if name else ""
             for attr, sub in child.named_children():
+                if sub is model.lm_head:
+                    continue
                 if type(sub) is nn.Linear and sub.bias is None:
                     self.places[f"{prefix}{attr}.weight"] = (child, attr)
             if hasattr(child, "compact_experts"):

@@ -368,3 +368,13 @@ def test_another_weight_format_in_one_run(ctx):
     assert ngram.generate([[2, 5, 6, 7, 5, 6]], 6).rows[0].token_ids == plain.generate([[2, 5, 6, 7, 5, 6]], 6).rows[0].token_ids
     with pytest.raises(Skip, match="--weights gguf"):
         build_method("plain:gguf", fresh)  # a safetensors folder has no GGUF blocks
+
+
+def test_the_shipped_spec_bench_questions_are_the_default():
+    """Spec-Bench ships with the repository (with its license) and is what the bench measures by default."""
+    from specdraft.bench.questions import DEFAULT_QUESTIONS
+    from specdraft.bench.runner import BenchConfig
+
+    questions = read_questions(DEFAULT_QUESTIONS)
+    assert BenchConfig().questions == DEFAULT_QUESTIONS and (DEFAULT_QUESTIONS.parent / "LICENSE").is_file()
+    assert len(questions) == 480 and len({q.category for q in questions}) == 13

@@ -23,7 +23,7 @@ from specdraft.training.labels import label_head, topk_log_probs
 from specdraft.training.objective import distribution_loss
 from specdraft.training.trainer import NEW_BLOCK_LR_SCALE, TrainConfig, Trainer
 
-SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+SPEC_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "spec_bench" / "question.jsonl"
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,9 @@ from specdraft.prompts import BASE_TEMPLATE, prompt_text, read_records
 
 # Base models have no chat template; this is what they see instead (shared with training).
 PLAIN_TEMPLATE = BASE_TEMPLATE
+# Spec-Bench's 480 questions, shipped with the repository (benchmarks/spec_bench/, Apache-2.0):
+# what the bench measures unless told otherwise (a source checkout has it; an installed wheel not).
+DEFAULT_QUESTIONS = Path(__file__).resolve().parents[3] / "benchmarks" / "spec_bench" / "question.jsonl"
 
 
 @dataclass(frozen=True)

@@ -291,18 +291,21 @@ def drafter_config_for(target: torch.nn.Module, hidden: int = 256, layers: int =
         num_centroids = tc.vocab_size // 128 if tc.vocab_size % 128 == 0 else None
         if num_centroids is None:
             raise SpecdraftError(f"vocabulary {tc.vocab_size} is not a multiple of 128; pass --clusters C dividing it")
-    # The attention settings its queries use, stated so that other engines read the same ones.
-    rope = {t: rope_dict(tc.rope[t]) for t in (SLIDING, FULL) if t in tc.rope}
+    # The attention settings its queries use, stated where other engines could run the drafter
+    # (a target attending with scale 1, as Gemma 4), so that they read the same ones; elsewhere
+    # the config stays silent and the target's apply, as in drafters written before.
     sources = {t: kv_source(target, t) for t in dict.fromkeys(layer_types)}
-    window = next((s.window for s in sources.values() if s.window is not None), tc.sliding_window)
     scales = {s.scale for s in sources.values()}
+    stated = scales == {1.0}
+    rope = {t: rope_dict(tc.rope[t]) for t in (SLIDING, FULL) if t in tc.rope} if stated else {}
+    window = next((s.window for s in sources.values() if s.window is not None), tc.sliding_window)
     return MTPConfig(
         backbone_hidden_size=tc.hidden_size, hidden_size=hidden, intermediate_size=intermediate or 4 * hidden,
         layer_types=layer_types, num_heads=heads, head_dim=head_dim, num_kv_heads=kv, vocab_size=tc.vocab_size,
         rms_norm_eps=tc.rms_norm_eps, clustered=clustered, num_centroids=num_centroids or 1,
         top_k_clusters=top_k_clusters, head=head, q_norm=kv_source(target, FULL).q_norm,
-        recommended_k=recommended_k, sliding_window=window, rope_parameters=rope or None,
-        max_position_embeddings=tc.max_position_embeddings,
+        recommended_k=recommended_k, sliding_window=window if stated else None, rope_parameters=rope or None,
+        max_position_embeddings=tc.max_position_embeddings if stated else None,
         attention_scale=scales.pop() if len(scales) == 1 else None,
     )
 

@@ -1,8 +1,9 @@
 """Long prompts for measuring time to first token: documents stacked to a given length, a question last.
 
-The documents are the passages of the T0 training prompts (../shared/data/train_prompts,
-Apache-2.0), never Spec-Bench. Lengths are counted with the model's own tokenizer, so
-`--tokens 12000` gives prompts of 12,000 tokens (give or take one passage's tail, cut at a word).
+The documents are the passages of the T0 training prompts (`t0_prompts.jsonl`, Apache-2.0;
+src/specdraft/training/prompt_sets/README.md says where it comes from), never Spec-Bench.
+Lengths are counted with the model's own tokenizer, so `--tokens 12000` gives prompts of 12,000
+tokens (give or take one passage's tail, cut at a word).
 
     python benchmarks/long_prompts.py --tokens 12000 --count 2 --out /tmp/long.jsonl
     specdraft bench --questions /tmp/long.jsonl --methods plain,llama-cpp --max-new-tokens 16

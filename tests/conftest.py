@@ -181,7 +181,7 @@ def llama_tiny(tmp_path_factory) -> TinyModel:
 @pytest.fixture(scope="session")
 def real_runtime():
     """The real default model (Gemma 3 270M) in float32 on the CPU. The first use converts the
-    GGUF preset into $SPECDRAFT_CACHE (~10-20 s); later sessions load the cached folder."""
+    GGUF preset into $SPECDRAFT_CACHE (~10-20 s); later test runs load the cached folder."""
     from specdraft.runtime import Runtime
 
     return Runtime.load("gemma3-270m", "float32", "cpu", progress=False)

@@ -1,4 +1,4 @@
-"""Explaining the training / decoding acceptance gap (issue 12, item 1).
+"""Explaining the training / decoding acceptance gap.
 
 The teacher-forced metric averages over every answer position as an anchor; real decoding
 starts rounds only where the previous round ended. `teacher_forced_acceptance` replays greedy

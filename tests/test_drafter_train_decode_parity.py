@@ -1,4 +1,4 @@
-"""Training and decoding compute the same drafter logits for the same prefix (issue 12, item 1).
+"""Training and decoding compute the same drafter logits for the same prefix.
 
 Training path: `training.data.record_answers` (what a data shard stores) -> `objective.collate`
 -> `objective.unrolled_loss` (queries at the anchors t over the stored K/V of the whole sequence,

@@ -1,4 +1,4 @@
-"""How the bench sizes the llama.cpp peers, so that every prompt fits (issue 13, item 6).
+"""How the bench sizes the llama.cpp peers, so that every prompt fits.
 
 llama-cpp-python with a draft model stores the logits of every evaluated token in an array it
 sizes from the `logits_all` argument (n_ctx rows if True, else n_batch rows). Before the fix the

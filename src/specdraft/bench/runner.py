@@ -20,8 +20,8 @@ import torch
 from specdraft.bench import (ALL_METHODS, DEFAULT_METHODS, PEER_METHODS, SPECDRAFT_METHODS, memory, metrics, peers,
                              split_method)
 from specdraft.bench.methods import BenchContext, Method, Skip, build_specdraft
-from specdraft.bench.questions import (DEFAULT_QUESTIONS, PLAIN_TEMPLATE, Question, encode, prompt_style, read_questions,
-                                       select)
+from specdraft.bench.questions import (DEFAULT_QUESTIONS, PLAIN_TEMPLATE, Question, encode, prompt_style,
+                                       read_questions, select)
 from specdraft.bench.steps import weight_bytes_per_step
 from specdraft.device import dtype_name, set_threads
 from specdraft.errors import SpecdraftError

@@ -187,7 +187,7 @@ def replay_greedy_decoding(anchors: torch.Tensor, valid: torch.Tensor, prefix: t
     return tokens, rounds
 
 
-# --- where training-time and decoding acceptance part (issue 12, item 1) ---------------------
+# --- where training-time and decoding acceptance part ------------------------------------------
 
 class RecordingDrafter(MTPDrafter):
     """An MTPDrafter that drafts exactly as the one it wraps and records every round: the anchor
@@ -268,7 +268,7 @@ def decoding_records(rounds: list[dict], sequence: list[int], k: int, top_ks: tu
 
 def acceptance_gap(rt, drafter: MTPDrafter, prompts: list[str], k: int, max_new_tokens: int = 96,
                    min_confidence: float | None = 0.0, top_ks: tuple[int, ...] = (32, 64), log=None) -> dict:
-    """Everything issue 12 asks to explain the teacher-forced / engine gap, on the same prompts
+    """What explains the gap between teacher-forced and engine acceptance, on the same prompts
     and the same target configuration (`rt`: its dtype and weight format), batch 1, greedy:
 
     - the target answers each prompt by plain greedy decoding, recording hidden states and K/V

@@ -1,12 +1,11 @@
 """The drafter's copy gate: a learned bonus for the tokens the text itself suggests.
 
-Small base models repeat themselves (Gemma 3 270M: 70% of Spec-Bench answer positions continue a
-token pair seen earlier), and where the target is sure of a repeat the drafter still misses a
-third of them (BENCHMARKS.md, eighteenth session). The drafter reads the target's K/V, so in
-principle its attention can copy, but a 2-layer network trained on a few hundred thousand tokens
-does not learn to. The gate gives it the copy directly, as a pointer network does: for the
-current input token, two candidates are read off the text (the prompt, the emitted tokens and
-the round's drafts so far),
+Small base models repeat themselves, and where the target is sure of a repeat the drafter still
+misses many of them (BENCHMARKS.md, "Where the drafter's first draft fails, a copy fallback").
+The drafter reads the target's K/V, so in principle its attention can copy, but a 2-layer
+network trained on a few hundred thousand tokens does not learn to. The gate gives it the copy
+directly, as a pointer network does: for the current input token, two candidates are read off
+the text (the prompt, the emitted tokens and the round's drafts so far),
 
     copy 1: the token that followed the most recent earlier occurrence of the current token
     copy 2: the token that followed the most recent earlier occurrence of the last two tokens
@@ -65,9 +64,9 @@ def sequence_copies(tokens: list[int]) -> torch.Tensor:
 class RoundCopies:
     """The copy candidates of each row's current token during a drafting round, looked up on the
     host: a LookupIndex of each row's emitted text (updated with the tokens new since the last
-    round, as prompt lookup's is) plus the round's drafts so far: ~8 us a step for one row,
-    where the same scan as tensor ops over the whole text cost a sizeable part of the gate's
-    first 0.2-0.4 ms a step (BENCHMARKS.md, nineteenth session)."""
+    round, as prompt lookup's is) plus the round's drafts so far: microseconds a step, where the
+    same scan as tensor ops over the whole text cost a sizeable part of a gated step (BENCHMARKS.md,
+    "A copy gate in the drafter")."""
 
     def __init__(self):
         self.index = LookupIndex(1, KINDS)

@@ -98,9 +98,8 @@ class MTPDrafter(Drafter):
     copy_below (default: the config's; 0 = off), greedy only: where the drafter gives its pick
     less than this probability and the current token occurred earlier in the row's text, the
     draft is the token that followed it last time instead. Small base models repeat themselves,
-    and the drafter misses most of those copies: on Spec-Bench answers of Gemma 3 270M the first
-    draft's teacher-forced acceptance went from 53% to 65% with copy_below 0.5 (BENCHMARKS.md,
-    eighteenth session). Verification is unchanged, so the output is still the target's."""
+    and the drafter misses most of those copies (BENCHMARKS.md, "Where the drafter's first draft
+    fails, a copy fallback"). Verification is unchanged, so the output is still the target's."""
 
     kind = "mtp"
     source = "mtp"

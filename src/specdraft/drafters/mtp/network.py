@@ -261,10 +261,9 @@ def kernels_like_target(net: MTPNetwork, target: nn.Module) -> str | None:
     take the same path, and each MLP's gate and up become one projection:
 
     - next to --weights gguf-q8 (int8 activations): int8 codes per 32 inputs
-      (Q8ActLinear), ~1.1 bytes a weight. A draft step reads all of the drafter's linears (13 MB
-      as fp16 for the shipped drafter, 7 MB as int8), mostly evicted by the target's forward in
-      between: a drafting round took 2.66 ms against 2.80 ms with fp16 tiles in real decoding,
-      at the same acceptance (BENCHMARKS.md, twenty-third session);
+      (Q8ActLinear), ~1.1 bytes a weight. A draft step reads all of the drafter's linears, mostly
+      evicted by the target's forward in between, so fewer bytes make a faster round at the same
+      acceptance (BENCHMARKS.md, "Lookups that learn past 3 drafts, an int8 drafter");
     - next to --weights fp16 or gguf: fp16 tiles, half of float32's bytes.
 
     Drafts may round differently from the float32 drafter's; what is emitted is still the

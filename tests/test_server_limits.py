@@ -85,8 +85,8 @@ def test_a_slow_or_truncated_body_gets_408(url, case) -> None:
 
 def test_health_answers_while_a_4mb_prompt_is_read(url) -> None:
     # Reading, parsing and tokenizing stay off the event loop: /health and /metrics answer meanwhile.
-    # Bound 0.5 s, not 0.1 s: this 2-core machine runs other suites at the same time; before,
-    # the tokenizer alone held the loop for ~4 s.
+    # The bound is 0.5 s, not 0.1 s, so that a loaded 2-core machine running other tests passes;
+    # on the event loop, tokenizing this prompt alone held every answer for ~4 s.
     body = json.dumps({"prompt": "w1 " * ((4 * MiB - 100) // 3)}).encode()
     assert len(body) < 4 * MiB
     result: list = []

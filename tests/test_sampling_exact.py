@@ -36,6 +36,7 @@ from specdraft.drafters.ngram import NgramDrafter
 from specdraft.models.kernels.sample_rows import draw_tokens
 from specdraft.sampling import SamplingParams, sample
 from specdraft.speculative import engine as engine_module
+from specdraft.speculative import group_verify
 from specdraft.speculative.engine import Engine
 from specdraft.speculative.request import Request
 from specdraft.speculative.policy import MARGIN, AdaptivePolicy, DraftPolicy
@@ -428,14 +429,14 @@ def test_negative_control_wrong_q_is_detected(target, drafters) -> None:
 def test_negative_control_biased_verifier_is_detected(target, drafters, monkeypatch) -> None:
     """A verifier that accepts correctly but draws the correction token from P instead of the
     residual norm(max(P - Q, 0)) (a classic bug) must be caught."""
-    real = engine_module.verify_sampling
+    real = group_verify.verify_sampling
 
     def resamples_from_p(target_probs, drafts, draft_probs, num_valid, generator, uniforms=None):
         n, _ = real(target_probs, drafts, draft_probs, num_valid, generator, uniforms)
         rows = torch.arange(drafts.shape[0])
         return n, torch.multinomial(target_probs[rows, n], 1, generator=generator).squeeze(1)
 
-    monkeypatch.setattr(engine_module, "verify_sampling", resamples_from_p)
+    monkeypatch.setattr(group_verify, "verify_sampling", resamples_from_p)
     probs = exact_joint(target)
     counts, _ = sample_counts(target, drafters["mtp"], 2, T1, NEGATIVE_N, 60)
     stat, df, p_value, _, tv = chi_square(counts, probs)
@@ -598,7 +599,7 @@ def test_sampling_stays_exact_with_adaptive_widths(case: str, target, drafters) 
 def served_counts(target: TinyModel, drafter, k: int, n: int, seed: int, sampling: SamplingParams = T1):
     """Counts over V^3 of the first three tokens of n requests served step by step, as the server
     runs them: each request its own sampling group and seed, so each row draws its drafts from
-    its own random stream (Engine._draft_sampling). Also the acceptance and how many rounds
+    its own random stream (group_verify.draft_sampling). Also the acceptance and how many rounds
     carried drafts sampled from Q."""
     counts = torch.zeros(V**3, dtype=torch.long)
     engine = Engine(target.ours, None, drafter, k, max_batch_size=SERVED_BATCH, capacity=32)
@@ -678,14 +679,14 @@ class _AcceptWithP(SparseProbs):
 
 
 def test_negative_control_adaptive_widths_accept_with_p_is_detected(target, drafters, monkeypatch) -> None:
-    real = engine_module.verify_sampling
+    real = group_verify.verify_sampling
 
     def accepts_with_p(target_probs, drafts, draft_probs, num_valid, generator, uniforms=None):
         if draft_probs is not None:  # None: a plain round (no drafts)
             draft_probs = _AcceptWithP(draft_probs.ids, draft_probs.probs, draft_probs.vocab)
         return real(target_probs, drafts, draft_probs, num_valid, generator, uniforms)
 
-    monkeypatch.setattr(engine_module, "verify_sampling", accepts_with_p)
+    monkeypatch.setattr(group_verify, "verify_sampling", accepts_with_p)
     counts, _ = adaptive_counts(target, AlwaysK(drafters["mtp"], 3), 3, ScriptedPolicy(WIDTH_SCRIPT), NEGATIVE_N, 150)
     stat, df, p_value, _, tv = chi_square(counts, exact_joint(target))
     print(f"accept with P: chi2 {stat:.1f} / {df} df, p {p_value:.2e}, TV {tv:.4f}")

@@ -13,7 +13,11 @@ hold requests still prefilling (chunk by chunk, so a long prompt never stalls th
 than one chunk per step). A finished row leaves at once: the last decoding row moves into its
 slot, so a round always covers the contiguous rows 0..n_dec-1 and no compute goes to dead rows.
 `generate()` is the same engine driven to completion for one batch. How many drafts a round
-carries (0: a plain round) is the draft policy's choice (policy.py): fixed K, or adaptive.
+carries (0: a plain round) is the draft policy's choice (policy.py): fixed K, or adaptive. A
+request's own bookkeeping is rows.py; verifying a round by sampling group is group_verify.py.
+
+The file runs past 400 lines on purpose: slots, prefill and the round all move rows in the one
+cache and its row buffers, and split apart each would reach into the others' state.
 """
 
 from __future__ import annotations
@@ -27,34 +31,17 @@ import torch
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.errors import SpecdraftError
 from specdraft.kv_cache import SHORT_FORWARD
-from specdraft.sampling import RowStreams, SamplingParams, probabilities
+from specdraft.sampling import SamplingParams
+from specdraft.speculative.group_verify import draft_sampling, verify_rows
 from specdraft.speculative.policy import DraftPolicy, FixedPolicy
 from specdraft.speculative.request import GenerationResult, Request, SamplingGroup
-from specdraft.speculative.stats import RequestStats, Timer
+from specdraft.speculative.rows import ActiveRow
+from specdraft.speculative.stats import Timer
 from specdraft.speculative.stops import StopChecker
-from specdraft.speculative.verify import (HEAD_BLOCK, SAMPLED_HEAD_BLOCK, acceptance_chances, acceptance_uniforms,
-                                          sampled_probs_blockwise, verify_greedy_blockwise, verify_sampling)
 from specdraft.tokenizer import Tokenizer
 
 MAX_DRAFT_TOKENS = 32
 PREFILL_CHUNK = 256
-GREEDY = SamplingParams()
-
-
-class _Row:
-    """A request's host-side state while the engine holds it."""
-
-    def __init__(self, req: Request, group: SamplingGroup, eos: set[int], stops: StopChecker | None, k: int,
-                 times: dict[str, float], acceptance=None):
-        self.req, self.group, self.eos, self.stops = req, group, eos, stops
-        self.acceptance = acceptance  # the draft policy's estimates for this request (policy.py)
-        self.ids: list[int] = []
-        self.prefilled = 0  # prompt tokens in the cache
-        self.position = -1  # p: the cache holds 0..p (decoding rows)
-        self.done, self.finish_reason, self.text = False, "length", ""
-        self.stats = RequestStats(k, drafted_by_position=[0] * k, accepted_by_position=[0] * k)
-        self.arrived, self.first_token_at = time.perf_counter(), 0.0
-        self.times_at_start = dict(times)
 
 
 class Engine:
@@ -81,8 +68,8 @@ class Engine:
         self.speculate_below = speculate_below
         self.policy = policy if policy is not None else FixedPolicy(self.width, speculate_below)
         self.timer = Timer(self.device)
-        self.waiting: deque[_Row] = deque()
-        self.slots: list[_Row] = []  # slots[:n_dec] decode, the rest prefill
+        self.waiting: deque[ActiveRow] = deque()
+        self.slots: list[ActiveRow] = []  # slots[:n_dec] decode, the rest prefill
         self.n_dec = 0
         self.cache = None  # allocated by the first request (see _allocate)
         self._finished: list[GenerationResult] = []
@@ -105,7 +92,7 @@ class Engine:
         eos = set(req.eos_token_ids if req.eos_token_ids is not None else
                   (self.tokenizer.eos_token_ids if self.tokenizer else []))
         stops = StopChecker(self._decode, req.stop) if req.stop and self.tokenizer is not None else None
-        self.waiting.append(_Row(req, group, eos, stops, self.width, self.timer.totals,
+        self.waiting.append(ActiveRow(req, group, eos, stops, self.width, self.timer.totals,
                                  self.policy.new_row(self._source(False), self._mixes_lookups, req.prompt,
                                                      not group.params.greedy)))
 
@@ -324,7 +311,7 @@ class Engine:
             self.hidden = hidden.new_zeros(self.tokens.shape[0], hidden.shape[-1])
         with self.timer.phase("verify"):
             none = torch.zeros(len(rows), 0, dtype=torch.long, device=self.device)
-            _, first, _ = self._verify(hidden[:, None], Draft(none, none.new_zeros(len(rows))), rows)
+            _, first, _ = verify_rows(self.model, hidden[:, None], Draft(none, none.new_zeros(len(rows))), rows)
         for slot in slots:  # each swap only touches slots below the next one
             if slot != self.n_dec:
                 self._swap(slot, self.n_dec)
@@ -353,7 +340,7 @@ class Engine:
         kk = draft.tokens.shape[1]
         with timer.phase("verify"):
             out = self.model(torch.cat([last[:, None], draft.tokens], dim=1), cache)
-            accepted, nxt, chances = self._verify(out, draft, rows)
+            accepted, nxt, chances = verify_rows(self.model, out, draft, rows)
         with timer.phase("other"):
             # Accept: write b's successors d1..dn, t into the history; the cache keeps b and d1..dn.
             steps = torch.arange(kk + 1, device=self.device)
@@ -397,133 +384,30 @@ class Engine:
         """Whether some rounds' drafts are prompt lookups and others the drafter's own (mtp+ngram)."""
         return self.drafter is not None and self.drafter.mixes_lookups
 
-    def _draft(self, inp: DraftInput, rows: list[_Row], width: int) -> Draft:
+    def _draft(self, inp: DraftInput, rows: list[ActiveRow], width: int) -> Draft:
         """Up to `width` drafts per row (0: a plain round); the drafter runs at most min(width, K) steps."""
         n = inp.last_token.shape[0]
         if self.drafter is None or width == 0:
             return Draft(inp.last_token.new_zeros(n, 0), inp.last_token.new_zeros(n))
         k = min(width, self.k)
-        draft = self.drafter.propose(inp, k, *self._draft_sampling(rows))
+        draft = self.drafter.propose(inp, k, *draft_sampling(rows))
         return _truncate(draft, width)
-
-    @staticmethod
-    def _draft_sampling(rows: list[_Row]) -> tuple[SamplingParams, torch.Generator | RowStreams | None]:
-        """(params, random streams) the round's drafts are drawn with. Sampled from the drafter's
-        Q when every row samples with the same temperature, top-k and top-p: from the batch's one
-        stream (generate()), else each row from its own request's (a server's requests, whose
-        draws then stay their own). Otherwise argmax drafts, verified as a point-mass Q: greedy
-        rows need them, and one Q cannot serve rows filtered differently. At temperature 1 on
-        held-out prompts, argmax drafts read 0.95x plain where sampled ones read 1.10x (tau
-        1.39 against 1.60; BENCHMARKS.md, thirty-fourth session)."""
-        group = rows[0].group
-        if group.params.greedy or any(r.group.params.shaping != group.params.shaping for r in rows):
-            return GREEDY, None
-        if group.sample_drafts and all(r.group is group for r in rows):
-            return group.params, group.generator
-        return group.params, [r.group.generator for r in rows]
-
-    def _verify(self, hidden: torch.Tensor, draft: Draft, rows: list[_Row]):
-        """(accepted count, next token, acceptance chances) per row from the target's hidden
-        states [B, K+1, H]: greedy rows together, each sampling group with its own parameters and
-        random stream. Chances [B, K] (the probability each draft had of being accepted, for the
-        draft policy) are None when every row is greedy, NaN on greedy rows otherwise."""
-        groups: dict[int, list[int]] = {}
-        for i, r in enumerate(rows):
-            groups.setdefault(0 if r.group.params.greedy else id(r.group), []).append(i)
-        if len(groups) == 1:
-            return self._verify_group(hidden, draft.tokens, draft.num_valid, draft.probs, rows[0].group)
-        accepted = torch.empty(len(rows), dtype=torch.long, device=self.device)
-        nxt = torch.empty_like(accepted)
-        chances = torch.full(draft.tokens.shape, float("nan"), device=self.device)
-        sampled = [idx for key, idx in groups.items() if key != 0]
-        first = self._first_blocks(hidden, draft, groups.get(0, []), sampled)
-        for key, idx in groups.items():
-            at = torch.tensor(idx, device=self.device)
-            probs = draft.probs[at] if draft.probs is not None else None
-            accepted[at], nxt[at], chance = self._verify_group(hidden[at], draft.tokens[at], draft.num_valid[at],
-                                                               probs, rows[idx[0]].group, first.get(idx[0]))
-            if chance is not None:
-                chances[at, : chance.shape[1]] = chance
-        return accepted, nxt, chances
-
-    def _first_blocks(self, hidden: torch.Tensor, draft: Draft, greedy: list[int],
-                      sampled: list[list[int]]) -> dict[int, torch.Tensor]:
-        """For a round with several groups to verify (a server's requests: greedy ones together,
-        each sampled one a group), each group's first block from one head call, keyed by its
-        first row: the greedy rows' tokens [rows, positions], each sampling group's logits [rows,
-        positions, V]. Scored group by group, the head's table was read once per group and round
-        (4 passes for 4 sampled requests where one does). A group gets the positions its own
-        verification scores first (HEAD_BLOCK for greedy rows; SAMPLED_HEAD_BLOCK, fewer for
-        fewer drafts, for sampled ones), and the head scores each row on its own, so they are the
-        tokens and logits it would get alone."""
-        greedy_span = min(HEAD_BLOCK, hidden.shape[1]) if greedy else 0
-        pairs = [(i, j) for i in greedy for j in range(greedy_span)]
-        spans = []
-        for idx in sampled:
-            width = int(draft.num_valid[idx].max()) if draft.tokens.shape[1] else 0
-            spans.append(min(SAMPLED_HEAD_BLOCK, width + 1))
-            pairs += [(i, j) for i in idx for j in range(spans[-1])]
-        rows, positions = (torch.tensor(x, device=self.device) for x in zip(*pairs))
-        tokens, logits = self.model.head_outputs(hidden[rows, positions], len(greedy) * greedy_span)
-        first = {greedy[0]: tokens.view(len(greedy), greedy_span)} if greedy else {}
-        blocks = logits.split([len(idx) * n for idx, n in zip(sampled, spans)])
-        return first | {idx[0]: block.view(len(idx), n, -1) for idx, n, block in zip(sampled, spans, blocks)}
-
-    def _verify_group(self, hidden, drafts, num_valid, q, group: SamplingGroup, first: torch.Tensor | None = None):
-        """`first`: the group's first block (greedy: tokens, sampled: logits) when it was computed
-        with other groups'."""
-        if group.params.greedy:  # only the argmax matters: no V-wide float32 logits
-            return *verify_greedy_blockwise(self.model.greedy_tokens, hidden, drafts, num_valid, first=first), None
-        # Only the group's own drafts: its random draws then never depend on the round's width.
-        width = int(num_valid.max()) if drafts.shape[1] else 0
-        q = q[:, :width] if q is not None else None
-        drafts = drafts[:, :width]
-        uniforms = acceptance_uniforms(drafts.shape[0], width, group.generator, drafts.device)
-        if first is not None:
-            first = probabilities(first, group.params)
-        probs = sampled_probs_blockwise(lambda rows: probabilities(self.model.logits(rows), group.params),
-                                        hidden[:, : width + 1], drafts, q, num_valid, uniforms, first=first)
-        accepted, nxt = verify_sampling(probs, drafts, q, num_valid, group.generator, uniforms)
-        return accepted, nxt, acceptance_chances(probs, drafts, q, num_valid)
 
     # --- output -------------------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer else ""
 
-    def _emit(self, row: _Row, new: list[int], sources: list[str]) -> None:
-        """Append a round's tokens to a row, cutting at EOS, max_new_tokens or a stop string."""
+    def _emit(self, row: ActiveRow, new: list[int], sources: list[str]) -> None:
+        """Append a round's tokens to a row (ActiveRow.take), stream them, finish the row if it ended."""
         self.policy.extend(row.acceptance, new)
-        new = new[: row.req.max_new_tokens - len(row.ids)]
-        for j, t in enumerate(new):
-            if t in row.eos:
-                new = new[: j + 1]
-                row.done, row.finish_reason = True, "eos"
-                break
-        checked = len(row.ids)
-        row.ids.extend(new)
-        if len(row.ids) >= row.req.max_new_tokens and not row.done:
-            row.done, row.finish_reason = True, "length"
-        if row.stops is not None:
-            end = row.stops.first_hit(row.ids, checked)
-            if end is not None:
-                del row.ids[end:]
-                new = new[: end - checked]
-                row.text = row.stops.text_before(row.ids)
-                row.done, row.finish_reason = True, "stop"
+        new = row.take(new)
         if row.req.on_tokens is not None and new:
             row.req.on_tokens(new, sources[: len(new)])
         if row.done:
             self._finished.append(self._result(row, row.finish_reason))
 
-    def _result(self, row: _Row, reason: str) -> GenerationResult:
-        s = row.stats
-        s.new_tokens = len(row.ids)
-        s.times = {k: v - row.times_at_start.get(k, 0.0) for k, v in self.timer.totals.items()}
-        text = row.text if reason == "stop" else self._decode(row.ids)
-        now = time.perf_counter()
-        ttft = row.first_token_at - row.arrived if row.first_token_at else now - row.arrived
-        return GenerationResult(list(row.req.prompt), row.ids, text, reason, s, now - row.arrived, ttft,
-                                row.group.seed, row.req.id)
+    def _result(self, row: ActiveRow, reason: str) -> GenerationResult:
+        return row.result(reason, self.timer.totals, self._decode)
 
 
 class _RoundCounts(NamedTuple):

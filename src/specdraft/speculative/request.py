@@ -25,7 +25,7 @@ class SamplingGroup:
 
     `generate()` puts its whole batch in one group (one seed for the batch). A server request is
     a group of its own, with its own random stream: its drafts, when sampled, draw from it row by
-    row (Engine._draft_sampling), and its verification draws from it alone. `sample_drafts`:
+    row (group_verify.draft_sampling), and its verification draws from it alone. `sample_drafts`:
     whether a round of this group's rows alone draws its drafts from the one stream."""
 
     params: SamplingParams

@@ -17,7 +17,8 @@ import torch
 
 from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
 from specdraft.drafters.mtp.drafter import MTPDrafter
-from specdraft.training.evaluate import acceptance_gap, decoding_records, replay_greedy_decoding
+from specdraft.training.evaluate import replay_greedy_decoding
+from specdraft.training.gap import acceptance_gap, decoding_records
 
 
 def test_replay_reports_where_rounds_start():
@@ -98,7 +99,7 @@ def test_replayed_decoding_predicts_the_engine_exactly_in_float32(gemma_tiny, tm
 
 def test_first_draft_acceptance_is_split_by_confidence_and_repeated_pairs():
     from specdraft.training.data import Sequence
-    from specdraft.training.evaluate import first_draft_breakdown
+    from specdraft.training.gap import first_draft_breakdown
 
     tokens = torch.tensor([3, 4, 3, 4, 5, 6])
     n = len(tokens)

@@ -298,7 +298,7 @@ def run_eval(args) -> int:
         except SpecdraftError as e:
             raise SpecdraftError(f"--top-k-clusters: {e}") from None
     if args.gap:
-        from specdraft.training.evaluate import acceptance_gap
+        from specdraft.training.gap import acceptance_gap
 
         if args.drafter != "mtp":
             raise SpecdraftError("--gap measures the MTP drafter alone: use --drafter mtp")

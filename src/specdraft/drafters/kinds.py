@@ -27,7 +27,7 @@ LoadRuntime = Callable[[str, str, str], Any]
 
 
 @dataclass(frozen=True)
-class Build:
+class DrafterSettings:
     """What a kind's builder gets: the loaded target, the kind's name, --drafter-path, --draft-tokens."""
 
     rt: Any  # specdraft.runtime.Runtime (or anything with its model, dtype, device, name)
@@ -43,7 +43,7 @@ class DrafterKind:
     parts: tuple[str, ...]  # the drafters it runs: "mtp", "ngram" (prompt lookup), "draft-model"
     path: str | None  # what --drafter-path names for it (None: it reads none)
     # -> (drafter, K); None for `auto`, which load_drafter resolves to another kind first (resolve_auto)
-    build: Callable[[Build], tuple[Drafter | None, int]] | None
+    build: Callable[[DrafterSettings], tuple[Drafter | None, int]] | None
 
 
 def shipped_drafter_path(model_name: str) -> Path | None:
@@ -62,11 +62,11 @@ def _lookup_budget(rt: Any) -> int | None:
     return getattr(rt, "verify_width_budget", None)
 
 
-def _none(b: Build) -> tuple[Drafter | None, int]:
+def _none(b: DrafterSettings) -> tuple[Drafter | None, int]:
     return None, 0
 
 
-def _ngram(b: Build) -> tuple[Drafter | None, int]:
+def _ngram(b: DrafterSettings) -> tuple[Drafter | None, int]:
     from specdraft.drafters.ngram import NgramDrafter
 
     budget = _lookup_budget(b.rt)
@@ -74,7 +74,7 @@ def _ngram(b: Build) -> tuple[Drafter | None, int]:
     return NgramDrafter(), b.draft_tokens if b.draft_tokens is not None else default
 
 
-def _mtp(b: Build) -> tuple[Drafter | None, int]:
+def _mtp(b: DrafterSettings) -> tuple[Drafter | None, int]:
     from specdraft.drafters.mtp import load_mtp_drafter
 
     path = b.path
@@ -88,7 +88,7 @@ def _mtp(b: Build) -> tuple[Drafter | None, int]:
     return drafter, b.draft_tokens if b.draft_tokens is not None else drafter.recommended_k or DEFAULT_K
 
 
-def _mtp_with_lookup(b: Build) -> tuple[Drafter | None, int]:
+def _mtp_with_lookup(b: DrafterSettings) -> tuple[Drafter | None, int]:
     from specdraft.drafters.mtp_lookup import LOOKUP_TOKENS, MTPWithLookup
 
     mtp, k = _mtp(b)
@@ -98,7 +98,7 @@ def _mtp_with_lookup(b: Build) -> tuple[Drafter | None, int]:
     return MTPWithLookup(mtp, lookup_tokens=lookup), k
 
 
-def _draft_model(b: Build) -> tuple[Drafter | None, int]:
+def _draft_model(b: DrafterSettings) -> tuple[Drafter | None, int]:
     from specdraft.drafters.draft_model import DraftModelDrafter
 
     if b.path is None:
@@ -141,5 +141,5 @@ def load_drafter(rt: Any, kind: str, path: str | None, draft_tokens: int | None,
         kind, path = resolve_auto(rt.name)
     if kind not in KINDS:
         raise SpecdraftError(f"unknown drafter kind {kind!r} (use {', '.join(DRAFTER_KINDS)})")
-    drafter, k = KINDS[kind].build(Build(rt, kind, path, draft_tokens, load_runtime))
+    drafter, k = KINDS[kind].build(DrafterSettings(rt, kind, path, draft_tokens, load_runtime))
     return drafter, kind, k

@@ -287,8 +287,8 @@ async def run_level(url: str, concurrency: int, count: int, args, rng: random.Ra
     async def one(client: httpx.AsyncClient, kind: str) -> Outcome:
         if kind == "valid":
             return await send_valid(client, *valid_body(rng, args.max_tokens, chat))
-        if kind == "bad":
-            return await send_bad(client, *rng.choice(BAD_BODIES), args.api_key)
+        if kind.startswith("bad"):
+            return await send_bad(client, *BAD_BODIES[int(kind.split("-")[1])], args.api_key)
         if kind == "hangup-stream":
             return await hang_up_streamed(client, rng, args.max_tokens)
         return await hang_up_raw(url, rng, args.max_tokens, args.api_key, halfway=kind == "hangup-body")
@@ -296,6 +296,9 @@ async def run_level(url: str, concurrency: int, count: int, args, rng: random.Ra
     async def worker(client: httpx.AsyncClient) -> None:
         while not queue.empty() and time.time() < deadline:
             kind = queue.get_nowait()
+            if kind == "bad":  # named, so that a failure says which case
+                case = rng.randrange(len(BAD_BODIES))
+                kind = f"bad-{case}-{BAD_BODIES[case][0]}"
             short = kind.split("-")[0]
             try:
                 out = await asyncio.wait_for(one(client, kind), args.request_timeout)

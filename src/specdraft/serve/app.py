@@ -122,7 +122,8 @@ def create_app(load: Callable[[], ServedModel], max_queue: int = 64, api_key: st
 
     app = FastAPI(title="specdraft", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.specdraft = state
-    app.add_middleware(Guard, metrics=state.metrics, allowed_hosts=allowed_hosts, max_body=max_body)
+    app.add_middleware(Guard, metrics=state.metrics, allowed_hosts=allowed_hosts, max_body=max_body,
+                       body_timeout=body_timeout)
     _install_error_handlers(app)
     authorize = _authorizer(api_key)
     open_api = _openapi_document(app)

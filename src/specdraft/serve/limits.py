@@ -44,8 +44,8 @@ def host_name(value: str) -> str:
 
 class Guard:
     def __init__(self, app, metrics: Metrics, allowed_hosts: Iterable[str] | None = None,
-                 max_body: int = MAX_BODY_BYTES):
-        self.app, self.metrics, self.max_body = app, metrics, max_body
+                 max_body: int = MAX_BODY_BYTES, body_timeout: float = BODY_TIMEOUT_S):
+        self.app, self.metrics, self.max_body, self.body_timeout = app, metrics, max_body, body_timeout
         hosts = LOCAL_HOSTS if allowed_hosts is None else tuple(allowed_hosts)
         self.any_host = "*" in hosts
         self.hosts = {host_name(h) for h in hosts}
@@ -64,6 +64,8 @@ class Guard:
         try:
             refusal = self._refusal(scope)
             if refusal is not None:
+                if refusal[0] == 413:
+                    await self._discard(receive, scope)
                 await send_json(noting_send, *refusal)
             else:
                 await self.app(scope, receive, noting_send)
@@ -74,6 +76,20 @@ class Guard:
         finally:
             path = scope["path"] if scope["path"] in ENDPOINTS else "other"
             self.metrics.requests.labels(path, str(status or 500)).inc()
+
+    async def _discard(self, receive: Receive, scope) -> None:
+        """Read and drop an oversized body announced by Content-Length (up to DISCARD_BYTES past
+        the cap): a client answered while still sending would see a reset instead of the 413."""
+        size = int(dict(scope.get("headers", [])).get(b"content-length", b"0"))
+        if size > self.max_body + DISCARD_BYTES:
+            return
+        deadline = asyncio.get_running_loop().time() + self.body_timeout
+        message = {"more_body": True}
+        while message.get("more_body", False):
+            try:
+                message = await _receive_by(receive, deadline, self.body_timeout)
+            except (ApiError, ClientGone):
+                return
 
     def _refusal(self, scope) -> tuple[int, dict] | None:
         headers = {k.lower(): v for k, v in scope.get("headers", [])}

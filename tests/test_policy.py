@@ -272,7 +272,7 @@ def test_cost_cache_round_trip(gemma_tiny, tmp_path):
     """Profiled once and written; a new process with the same key reloads without timing; a
     different key (another thread count, say) is profiled afresh."""
     model, drafter = gemma_tiny.ours, NgramDrafter()
-    key = cost_key("tiny", "folder", "dtype", "float32", torch.device("cpu"))
+    key = cost_key("folder", "dtype", "float32", torch.device("cpu"))
     first = MeasuredCosts(key, tmp_path)
     first.ensure(model, drafter, 3, 2, 2)
     assert first.profiled > 0 and first.path.exists()
@@ -379,7 +379,7 @@ def test_cheap_rejections_make_long_lookups_pay(tmp_path):
 
 
 def test_cost_cache_ignores_a_file_with_another_key(gemma_tiny, tmp_path):
-    key = cost_key("tiny", "folder", "dtype", "float32", torch.device("cpu"))
+    key = cost_key("folder", "dtype", "float32", torch.device("cpu"))
     costs = MeasuredCosts(key, tmp_path)
     costs.path.write_text(json.dumps({"key": {**key, "torch": "0.0"}, "target": {"1": {"1": 9.0}}, "drafts": {}}))
     reread = MeasuredCosts(key, tmp_path)
@@ -396,7 +396,7 @@ def test_a_table_timed_under_load_is_measured_again(gemma_tiny, tmp_path, monkey
     from specdraft.speculative import costs as cost_tables
 
     model, drafter = gemma_tiny.ours, NgramDrafter()
-    key = cost_key("tiny", "folder", "dtype", "float32", torch.device("cpu"))
+    key = cost_key("folder", "dtype", "float32", torch.device("cpu"))
     first = MeasuredCosts(key, tmp_path)
     first.ensure(model, drafter, 1, 2, 2)
     honest = json.loads(first.path.read_text())

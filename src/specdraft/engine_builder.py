@@ -34,7 +34,7 @@ def draft_policy(rt: Runtime, policy: str = "adaptive", progress: bool = False) 
         return None
     if policy != "adaptive":
         raise ValueError(f"unknown draft policy {policy!r} (adaptive or fixed)")
-    key = cost_key(rt.name, str(rt.folder), rt.weights, rt.dtype_name, rt.device)
+    key = cost_key(rt.folder, rt.weights, rt.dtype_name, rt.device)
     return AdaptivePolicy(MeasuredCosts(key, progress=progress))
 
 

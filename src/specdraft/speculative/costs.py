@@ -5,6 +5,11 @@ Tables live under $SPECDRAFT_CACHE/costs (or $SPECDRAFT_COSTS_DIR), one JSON fil
 everything that changes a step's time (model, weights, dtype, device, torch, threads, CPU, the
 code that computes and times a step). A table read from disk has its one-row forwards timed
 again once per process, and one timed under load is measured afresh.
+
+A first use times only what the policy prices for the rounds and batch asked for: the widths up
+to the round's, the batch sizes up to the batch's, each cell until its calls took CELL_BUDGET
+seconds, on one prefilled row copied to every batch size; it shows its estimated and its actual
+length on stderr (`progress`).
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ import torch
 
 from specdraft.drafters.base import Drafter
 from specdraft.models.kernels import build as kernels
-from specdraft.speculative.profiling import (drafter_calls, fastest_each, head_calls, scratch,
-                                             target_calls)
+from specdraft.speculative.profiling import (PROFILE_REPEATS, Scratch, drafter_calls, fastest_each, head_calls,
+                                             target_calls, time_call)
 from specdraft.speculative.verify import HEAD_BLOCK
 
 # A stored table's one-row forwards are timed again once per process (fastest of RECHECK_REPEATS);
@@ -38,6 +43,14 @@ RECHECK_REPEATS = 3
 RECHECK_SLACK = 0.8
 RECHECK_FLOOR = 1e-3
 _RECHECKED: set[Path] = set()  # tables checked by this process
+# A cell is timed again only until its calls took this long (and PROFILE_REPEATS times at most):
+# a small model's steps keep every repeat, while at real sizes, where one forward takes a large
+# part of a second, a cell is timed about once and the first-use profile takes seconds.
+CELL_BUDGET = 0.25
+# The estimate shown before profiling (estimate_seconds): a forward over n tokens costs about
+# 1 + ROW_COST * (n - 1) one-token forwards, a head or drafting call about HEAD_COST and
+# DRAFT_COST of one.
+ROW_COST, HEAD_COST, DRAFT_COST = 0.1, 0.2, 0.2
 
 
 def cpu_identity(cpuinfo: str) -> str | None:
@@ -63,10 +76,12 @@ def _cpu_name() -> str:
     return found or platform.processor() or platform.machine()
 
 
-def cost_key(model_name: str, folder: str, weights: str, dtype: str, device: torch.device) -> dict:
-    """Everything a step's time depends on, as the cache key (a change means re-profiling)."""
+def cost_key(folder: str | Path, weights: str, dtype: str, device: torch.device) -> dict:
+    """Everything a step's time depends on, as the cache key (a change means re-profiling). The
+    model is its folder's resolved path, not the name it was given: a preset and its folder, or a
+    relative and an absolute path, share one table across generate, serve and bench."""
     return {
-        "model": model_name, "folder": str(folder), "weights": weights, "dtype": dtype, "device": str(device),
+        "folder": str(Path(folder).resolve()), "weights": weights, "dtype": dtype, "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "torch": torch.__version__, "threads": torch.get_num_threads(), "code": forward_code_digest(),
         "kernels": kernels.enabled(),
@@ -156,6 +171,30 @@ def monotone(target: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]
     return out
 
 
+def estimate_seconds(plan: dict[int, tuple[list[int], bool]], heads: list[int], first: tuple, rows: int | None,
+                     seconds: float) -> float:
+    """Rough seconds of a profile of `plan` ({rows: (target widths, whether drafting is timed)})
+    and `heads` (greedy head sizes), from one call that took `seconds`: `first` ("target", width)
+    for `rows` rows, or a ("head", m) or ("draft", steps) call. Each cell's calls are counted
+    as under CELL_BUDGET, priced by ROW_COST, HEAD_COST and DRAFT_COST."""
+    kind = first[0]
+    if kind == "target":
+        unit = seconds / (1 + ROW_COST * (rows * first[1] - 1))
+    else:
+        unit = seconds / (HEAD_COST if kind == "head" else DRAFT_COST)
+
+    def cell(t: float) -> float:
+        return t * min(PROFILE_REPEATS, max(1, math.ceil(CELL_BUDGET / t))) if t > 0 else 0.0
+
+    total = sum(cell(unit * HEAD_COST) for _ in heads)
+    for i, (b, (widths, drafting)) in enumerate(plan.items()):
+        forwards = [unit * (1 + ROW_COST * (b * w - 1)) for w in widths]
+        total += sum(cell(t) for t in forwards) + (forwards[0] if i and forwards else 0.0)  # its warm-up
+        if drafting:
+            total += 2 * cell(unit * DRAFT_COST)
+    return total
+
+
 class MeasuredCosts:
     """Seconds per target forward by (rows, width), per greedy head call by rows scored, and per
     drafter step by rows, timed on this machine the first time they are needed and cached as
@@ -173,6 +212,7 @@ class MeasuredCosts:
         self._curves: dict[float, tuple[list[int], list[float]]] = {}  # its curve over widths, per rows
         self._clean_head = None  # the same for the head: (sizes, seconds)
         self.profiled = 0  # cells timed by this process (tests read it)
+        self._scratch: Scratch | None = None  # profile text in a cache, while ensure() runs
         self._load()
 
     def _load(self) -> None:
@@ -244,37 +284,55 @@ class MeasuredCosts:
 
     @torch.inference_mode()
     def ensure(self, model: torch.nn.Module, drafter: Drafter, rows: int, k: int, width: int) -> None:
-        """Time what is missing for batches of up to `rows` rows and rounds of up to `width` drafts."""
+        """Time what is missing for batches of up to `rows` rows and rounds of up to `width` drafts
+        of which the drafter proposes up to `k`: each batch size's cells in turns until each took
+        CELL_BUDGET seconds or PROFILE_REPEATS calls (profiling.fastest_each)."""
         self.drafter = drafter.cost_key()
-        if self.path not in _RECHECKED:  # once per process; a table profiled here is not checked again
-            _RECHECKED.add(self.path)
-            if self.target and self.timed_under_load(model):
-                self.target, self.head, self.drafts = {}, {}, {}
         widths = profiled_widths(width)
+        top = max([*widths, *self.target.get(1, {})])
+        # one prefill for every batch size and the recheck, ranking enough rows for the largest head
+        self._scratch = Scratch(model, row_buckets(rows)[-1], top, head_sizes(rows)[-1])
+        try:
+            if self.path not in _RECHECKED:  # once per process; a table profiled here is not checked again
+                _RECHECKED.add(self.path)
+                if self.target and self.timed_under_load(model):
+                    self.target, self.head, self.drafts = {}, {}, {}
+            self._measure(model, drafter, rows, k, widths)
+        finally:
+            self._scratch = None  # the scratch cache's memory goes back
+
+    def _measure(self, model: torch.nn.Module, drafter: Drafter, rows: int, k: int, widths: list[int]) -> None:
         todo = [b for b in row_buckets(rows) if not set(widths) <= set(self.target.get(b, {}))
                 or b not in self.drafts.get(self.drafter, {})]
         heads = [m for m in head_sizes(rows) if m not in self.head]
         if not todo and not heads:
             return
         t0 = time.perf_counter()
-        dev = model.embed_tokens.weight.device
+        dev, steps = model.embed_tokens.weight.device, max(2, k)
+        plan = {b: ([w for w in widths if w not in self.target.get(b, {})],
+                    b not in self.drafts.get(self.drafter, {})) for b in todo}
+        report = _Progress(self.progress, t0, plan, heads)
         for i, b in enumerate(todo or [None]):
             calls: dict[tuple, Callable[[], None]] = {}
             if b is not None:
-                cache, hidden, tokens, _ = scratch(model, b, max(widths))
+                cache, hidden, tokens, _ = self._scratch.rows(b)
                 start = list(cache.host_lengths)
-                missing = [w for w in widths if w not in self.target.get(b, {})]
+                missing, drafting = plan[b]
                 calls.update({("target", w): fn for w, fn in target_calls(model, cache, missing).items()})
-                drafting = b not in self.drafts.get(self.drafter, {})
-                steps = max(2, k)
                 if drafting:
                     calls.update({("draft", n): fn for n, fn in drafter_calls(drafter, cache, hidden, tokens,
                                                                                 steps).items()})
             if i == 0 and heads:  # with the first batch size's cells
-                states = scratch(model, 1, max(widths))[3]
+                states = self._scratch.rows(1)[3]
                 calls.update({("head", m): fn for m, fn in head_calls(model, states, heads).items()})
             with drafter.without_early_stop():
-                best = fastest_each(calls, dev)
+                # One untimed call of each kind first, so that its code path's first-call
+                # allocations (and any compilation) stay out of the table; the first also prices
+                # the estimate shown.
+                for kind in dict.fromkeys(key[0] for key in calls):
+                    key = next(key for key in calls if key[0] == kind)
+                    report.warmed(key, b, time_call(calls[key], dev))
+                best = fastest_each(calls, dev, PROFILE_REPEATS, CELL_BUDGET)
             if i == 0 and heads:
                 self.head.update({m: best[("head", m)] for m in heads})
                 self.profiled += len(heads)
@@ -288,9 +346,7 @@ class MeasuredCosts:
                 self.profiled += len(missing)
         self._clean = self._clean_head = None
         self.save()
-        if self.progress:
-            print(f"specdraft: measured step costs for batch sizes {todo} in {time.perf_counter() - t0:.0f} s "
-                  f"(cached in {self.path})", file=sys.stderr)
+        report.done(self.path)
 
     @torch.inference_mode()
     def timed_under_load(self, model: torch.nn.Module) -> bool:
@@ -299,12 +355,40 @@ class MeasuredCosts:
         stored = {w: s for w, s in self.target.get(1, {}).items() if s >= RECHECK_FLOOR}
         if not stored:
             return False
-        cache, _, _, _ = scratch(model, 1, max(stored))
-        now = fastest_each(target_calls(model, cache, sorted(stored)), model.embed_tokens.weight.device,
-                           RECHECK_REPEATS)
+        scratch = self._scratch or Scratch(model, 1, max(stored), ranked=0)
+        cache = scratch.rows(1)[0]
+        start, dev = list(cache.host_lengths), model.embed_tokens.weight.device
+        calls = target_calls(model, cache, sorted(stored))
+        time_call(calls[min(stored)], dev)  # warm-up
+        now = fastest_each(calls, dev, RECHECK_REPEATS, CELL_BUDGET)
+        cache.rollback(start)
         slowed = {w: stored[w] / now[w] for w in stored if now[w] < RECHECK_SLACK * stored[w]}
         if slowed and self.progress:
             w = max(slowed, key=slowed.get)
             print(f"specdraft: the step costs in {self.path} read up to {slowed[w]:.2f}x this machine's time now "
                   f"({w} tokens); they were measured under load, measuring again", file=sys.stderr)
         return bool(slowed)
+
+
+class _Progress:
+    """The one-time profile's lines on stderr: how long it will take, estimated once its first
+    call has been timed (at real sizes it holds up the first token for seconds), then what it took."""
+
+    def __init__(self, enabled: bool, t0: float, plan: dict[int, tuple[list[int], bool]], heads: list[int]):
+        self.enabled, self.t0, self.plan, self.heads = enabled, t0, plan, heads
+        self.estimate: float | None = None
+
+    def warmed(self, key: tuple, rows: int | None, seconds: float) -> None:
+        """A warm-up call (`key` as in ensure's cells, for `rows` rows) took `seconds`."""
+        if self.estimate is not None:
+            return
+        self.estimate = time.perf_counter() - self.t0 + estimate_seconds(self.plan, self.heads, key, rows, seconds)
+        if self.enabled:
+            print(f"specdraft: measuring step costs once for this model (~{max(1, round(self.estimate))} s) ...",
+                  file=sys.stderr, flush=True)
+
+    def done(self, path: Path) -> None:
+        if self.enabled:
+            rows = f" for batch sizes {', '.join(map(str, self.plan))}" if self.plan else ""
+            print(f"specdraft: step costs done in {time.perf_counter() - self.t0:.1f} s{rows} (cached in {path})",
+                  file=sys.stderr, flush=True)

@@ -20,7 +20,6 @@ from specdraft.errors import SpecdraftError
 from specdraft.loading.presets import resolve_model
 from specdraft.tokenizer import Tokenizer
 
-DEFAULT_SOURCE = Path(__file__).resolve().parents[2] / "shared" / "data" / "train_prompts" / "t0_prompts.jsonl"
 QUESTION = "\n\nQuestion: Which people, places and dates do the documents above mention most often?\nAnswer:"
 
 
@@ -57,7 +56,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=12000, help="prompt length in the model's tokens (default 12000)")
     ap.add_argument("--count", type=int, default=2, help="how many prompts (default 2)")
     ap.add_argument("--model", default="gemma3-270m", help="whose tokenizer counts the tokens (default gemma3-270m)")
-    ap.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="JSONL of training prompts to take documents from")
+    ap.add_argument("--source", type=Path, required=True,
+                    help="JSONL of training prompts to take documents from (a T0 prompt file: "
+                         "src/specdraft/training/prompt_sets/README.md says how to make one)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True, help="JSONL to write (a `specdraft bench --questions` file)")
     args = ap.parse_args()

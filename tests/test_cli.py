@@ -81,9 +81,8 @@ def test_serve_takes_the_draft_policy_and_passes_it_on(monkeypatch) -> None:
     served, generated = policy_flag("serve"), policy_flag("generate")
     assert (served.choices, served.default, served.help) == (generated.choices, generated.default, generated.help)
     pytest.importorskip("uvicorn")
-    import uvicorn
-
     import specdraft.serve
+    import specdraft.serve.server
 
     seen = {}
     signature = inspect.signature(specdraft.serve.load_served)
@@ -94,7 +93,7 @@ def test_serve_takes_the_draft_policy_and_passes_it_on(monkeypatch) -> None:
 
     monkeypatch.setattr(specdraft.serve, "load_served", fake_load_served)
     monkeypatch.setattr(specdraft.serve, "create_app", lambda *a, **k: None)
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    monkeypatch.setattr(specdraft.serve.server, "serve", lambda *a, **k: 0)
     for policy in ["fixed", "adaptive"]:
         assert main(["serve", "--model", "m", "--draft-policy", policy]) == 0
         assert seen["draft_policy"] == policy
@@ -339,7 +338,7 @@ def test_every_subcommand_refuses_bad_input_in_one_line(capsys, tmp_path) -> Non
     cases = {
         "generate": [["generate", "hi", "--temperature", "nan"], ["generate", "hi", "--top-k", "many"]],
         "models": [["models", "--bogus"]],
-        "bench": [["bench"], ["bench", "--questions", missing, "--model", missing]],
+        "bench": [["bench", "--methods", "nope"], ["bench", "--questions", missing, "--model", missing]],
         "train-drafter": [["train-drafter", "--out", missing, "--prompts", missing, "--steps", "0"],
                           ["train-drafter", "--out", missing, "--prompts", missing, "--model", missing]],
         "eval-drafter": [["eval-drafter", "--prompts", missing, "--ks", "x"],

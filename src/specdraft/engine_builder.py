@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from specdraft.drafters import load_drafter
@@ -46,6 +47,20 @@ def engine_for(rt: Runtime, drafter: Drafter | None = None, draft_tokens: int = 
     chosen = draft_policy(rt, policy, progress) if drafter is not None else None
     return Engine(rt.model, rt.tokenizer, drafter, draft_tokens, speculate_below=rt.speculate_below,
                   policy=chosen, **engine_kwargs)
+
+
+def check_drafter_fits_target(model: str, drafter: str, drafter_path: str | None) -> None:
+    """Refuse an MTP drafter that does not fit the target from the two configs alone, before the
+    target loads (a mismatched assistant for a 30 GB target fails in a second, not after minutes)."""
+    from specdraft.drafters.kinds import KINDS
+    from specdraft.drafters.mtp.checkpoint import check_drafter_fits
+
+    kind = KINDS.get(drafter)
+    # `auto` ignores --drafter-path; a missing path is the loader's own one-line error
+    if kind is None or kind.build is None or "mtp" not in kind.parts or not drafter_path:
+        return
+    if Path(drafter_path).expanduser().exists():
+        check_drafter_fits(Path(drafter_path), model)
 
 
 def build_engine(rt: Runtime, drafter: str = "auto", drafter_path: str | None = None,

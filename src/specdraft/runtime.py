@@ -143,6 +143,11 @@ class Runtime:
         packed = sum(getattr(m, "packed_nbytes", 0) for m in self.model.modules())  # FBGEMM's fp16 copies
         return sum(t.numel() * t.element_size() for t in tensors) + packed
 
+    @property
+    def mapped_bytes(self) -> int:
+        """Of nbytes(), the tables kept as views of the checkpoint file (resident only as rows are read)."""
+        return getattr(self.model, "mapped_bytes", 0)
+
 
 def _has_blocks(name_or_path: str, folder: Path) -> bool:
     """Whether --weights gguf can load this model here: blocks saved by the conversion or a GGUF

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from specdraft.kv_cache import KVCache
-from specdraft.speculative.policy import by_confidence, first_rows, profile_tokens
+from specdraft.speculative.profiling import by_confidence, first_rows, profile_tokens
 
 
 @dataclass

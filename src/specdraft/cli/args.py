@@ -24,9 +24,12 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (auto = cuda when available)")
     p.add_argument("--weights", default="auto", choices=list(WEIGHT_CHOICES),
                    help="how weights are stored: auto = the file's own blocks for a model from a GGUF file (the "
-                        "presets) on a CPU with --dtype auto (gguf-q8; gguf without a C compiler); else "
-                        "int8 on a CPU in bfloat16, fp16 where --dtype auto chose float32 (CPUs without bf16 units); "
-                        "otherwise as --dtype; int8: one scale per row, near-lossless (KL 0.005 vs bf16 "
+                        "presets) on a CPU with --dtype auto (gguf-q8; gguf without a C compiler); q8 for models "
+                        "over 1B matrix parameters on an x86 CPU; else int8 on a CPU in bfloat16, fp16 where --dtype "
+                        "auto chose float32 (CPUs without bf16 units); otherwise as --dtype; "
+                        "q8 / q4: 8-bit / 4-bit codes per 32 inputs made from the checkpoint as it is read (loading "
+                        "never holds the float32 model), int8 activations as llama.cpp's Q8_0 (x86 with AVX2, "
+                        "float32); int8: one scale per row, near-lossless (KL 0.005 vs bf16 "
                         "on gemma3-270m) and half the bytes; int4: a quarter of the bytes, measurably worse (KL 0.24); "
                         "fp16: half of float32's bytes, float32 arithmetic (x86 CPUs, --dtype float32); "
                         "gguf: a GGUF model's own quantised blocks, multiplied as the float32 model's exact weights "
@@ -53,11 +56,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def load_target(args, progress: bool = True):
     """The Runtime the --model/--dtype/--device/--weights/--prefill-dtype/--threads/--compile flags describe."""
     from specdraft.device import set_threads
+    from specdraft.engine_builder import check_drafter_fits_target
     from specdraft.runtime import Runtime
 
     _, note = set_threads(args.threads)
+    if getattr(args, "drafter", None):
+        check_drafter_fits_target(args.model, args.drafter, getattr(args, "drafter_path", None))
     rt = Runtime.load(args.model, args.dtype, args.device, progress=progress, weights=args.weights,
-                      compile=args.compile, prefill_dtype=args.prefill_dtype)
+                      compile=args.compile, prefill_dtype=args.prefill_dtype,
+                      batch_size=max(1, getattr(args, "batch_size", None) or 1))
     if note and progress:  # after loading: a bad --model stays a one-line error
         print(f"specdraft: note: {note}", file=sys.stderr)
     return rt

@@ -61,7 +61,8 @@ prompt format: the model's chat template when it has one, else the plain templat
     add_model_args(p)
     p.add_argument("--questions", type=Path, default=None,
                    help="Spec-Bench question.jsonl (question_id, category, turns), JSONL with \"prompt\", "
-                        "or a text file with one prompt per line (category \"all\"); required unless --report-from")
+                        "or a text file with one prompt per line (category \"all\"); default: Spec-Bench's 480 questions, which "
+                        "ship in the repository (benchmarks/spec_bench)")
     p.add_argument("--categories", type=_name_list, default=None, help="comma-separated categories to keep")
     p.add_argument("--limit-per-category", type=int, default=None, help="first N questions of each category")
     p.add_argument("--methods", type=_name_list, default=list(DEFAULT_METHODS),
@@ -106,7 +107,12 @@ def run(args) -> int:
         _print_outputs("rewrote", args.report_from, rebuild_report(args.report_from, plots=not args.no_plots))
         return 0
     if args.questions is None:
-        raise SpecdraftError("--questions is required (a question file to measure), unless --report-from FOLDER")
+        from specdraft.bench.questions import DEFAULT_QUESTIONS
+
+        if not DEFAULT_QUESTIONS.exists():
+            raise SpecdraftError("no --questions file given, and Spec-Bench's questions ship only with a clone of the "
+                                 "repository (benchmarks/spec_bench/question.jsonl); pass --questions FILE")
+        args.questions = DEFAULT_QUESTIONS
     unknown = [m for m in args.methods if split_method(m)[0] not in ALL_METHODS]
     if unknown:
         raise SpecdraftError(f"unknown method(s) {', '.join(unknown)} (choose from {', '.join(ALL_METHODS)})")

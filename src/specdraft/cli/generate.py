@@ -104,7 +104,7 @@ def run(args) -> int:
         for j, (prompt, r) in enumerate(zip(batch, results)):
             all_stats.append(r.stats)
             if args.json:
-                print(json.dumps(_record(prompt, r, rt, kind, k)), flush=True)
+                print(json.dumps({**_record(prompt, r, rt, kind, k), "memory": memory_split(rt, engine)}), flush=True)
             elif stream:
                 print(flush=True)
                 print(summary_line(r.stats, r.seconds, kind, k), file=sys.stderr)
@@ -141,6 +141,19 @@ def _streamer(tokenizer):
         sys.stdout.flush()
 
     return on_tokens
+
+
+def memory_split(rt, engine) -> dict[str, float]:
+    """Resident memory in MB and what holds it: the target's weights in memory, its tables read
+    from the checkpoint file a row at a time (resident only as read), the KV cache, the drafter."""
+    from specdraft.bench.memory import max_rss_bytes, rss_bytes
+
+    mb = 1 << 20
+    cache = engine.cache_bytes
+    drafter = engine.drafter.nbytes() if engine.drafter is not None else 0
+    return {"rss_mb": round(rss_bytes() / mb), "rss_peak_mb": round(max_rss_bytes() / mb),
+            "weights_mb": round((rt.nbytes() - rt.mapped_bytes) / mb), "mapped_tables_mb": round(rt.mapped_bytes / mb),
+            "kv_cache_mb": round(cache / mb, 1), "drafter_mb": round(drafter / mb, 1)}
 
 
 def _record(prompt: str, r, rt, kind: str, k: int) -> dict:

@@ -12,12 +12,12 @@ from specdraft.errors import SpecdraftError
 
 def register(sub) -> None:
     p = sub.add_parser(
-        "weights", help="compare weight formats (int8, int4, fp16, gguf, gguf-q8) with unquantised weights: KL, top-1, greedy text",
+        "weights", help="compare weight formats (int8, int4, fp16, gguf, gguf-q8, q8, q4) with unquantised weights: KL, top-1, greedy text",
         description="Load --model once per format and once with --weights dtype (the reference), then report "
                     "per-token KL(reference || format), top-1 agreement and mean NLL over --texts (every position, "
                     "teacher-forced), and the share of --prompts whose greedy continuation is identical.")
     add_model_args(p)
-    p.add_argument("--formats", default="int8,int4", help="comma-separated, from int8,int4,fp16,gguf,gguf-q8 (default int8,int4; "
+    p.add_argument("--formats", default="int8,int4", help="comma-separated, from int8,int4,fp16,gguf,gguf-q8,q8,q4 (default int8,int4; "
                                                          "fp16 and gguf[-q8] need --dtype float32, gguf[-q8] a model "
                                                          "from a GGUF file)")
     p.add_argument("--texts", type=Path, required=True,
@@ -36,8 +36,9 @@ def run(args) -> int:
     from specdraft.bench.weights import compare
 
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
-    if not formats or any(f not in ("int8", "int4", "fp16", "gguf", "gguf-q8") for f in formats):
-        raise SpecdraftError(f"--formats takes int8, int4, fp16, gguf and/or gguf-q8, got {args.formats!r}")
+    known = ("int8", "int4", "fp16", "gguf", "gguf-q8", "q8", "q4")
+    if not formats or any(f not in known for f in formats):
+        raise SpecdraftError(f"--formats takes {', '.join(known)}, got {args.formats!r}")
     if min(args.limit, args.text_tokens, args.max_new_tokens) < 1:
         raise SpecdraftError("--limit, --text-tokens and --max-new-tokens must be >= 1")
     texts_q = read_questions(args.texts, "--texts file")[: args.limit]

@@ -60,7 +60,7 @@ def load_folder(folder: Path, dtype: torch.dtype, device: torch.device | str, we
     expected = dict(model.named_parameters())
     unused = set(getattr(model, "unused_checkpoint_tensors", lambda names: [])(list(expected) + _all_names(files)))
     seen: set[str] = set()
-    ignored = unexpected = 0
+    ignored = unexpected = mapped = 0
     first_unexpected: list[str] = []
     for path in files:
         shard = MappedSafetensors(path)
@@ -83,6 +83,7 @@ def load_folder(folder: Path, dtype: torch.dtype, device: torch.device | str, we
             if keep:
                 as_stored = compactor is not None and name in LOOKUP_TABLES
                 set_parameter(model, name, tensor if as_stored else tensor.to(device=device, dtype=dtype))
+                mapped += tensor.numel() * tensor.element_size() if as_stored else 0
             shard.release(stored)  # a view kept as stored re-reads the rows it needs from the file
             seen.add(name)
     missing = sorted(set(expected) - seen)
@@ -92,6 +93,7 @@ def load_folder(folder: Path, dtype: torch.dtype, device: torch.device | str, we
         raise SpecdraftError(f"checkpoint has {unexpected} tensor(s) the config does not describe, "
                              f"e.g. {first_unexpected[:3]}")
     model.eval().requires_grad_(False)
+    model.mapped_bytes = mapped  # tables read from the file a row at a time: resident only as read
     notes = [f"ignored {ignored} tensor(s) of non-text towers (vision/audio)"] if ignored else []
     return model, cfg, notes
 

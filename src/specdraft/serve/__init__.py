@@ -17,10 +17,12 @@ def load_served(model: str, drafter: str, dtype: str, device: str, max_batch_siz
                 compile: bool = False, draft_policy: str = "adaptive", prefill_dtype: str = "auto") -> ServedModel:
     """Load the target and drafter and build the engine the server drives (compiled graphs and
     the draft policy's step costs are measured here, before the port opens, so no request waits)."""
-    from specdraft.engine_builder import build_engine
+    from specdraft.engine_builder import build_engine, check_drafter_fits_target
     from specdraft.runtime import Runtime
 
-    rt = Runtime.load(model, dtype, device, weights=weights, compile=compile, prefill_dtype=prefill_dtype)
+    check_drafter_fits_target(model, drafter, drafter_path)
+    rt = Runtime.load(model, dtype, device, weights=weights, compile=compile, prefill_dtype=prefill_dtype,
+                      context=max_context, batch_size=max_batch_size)
     if compile:
         rt.model.compiled_step.warm_up(max_batch_size)
     built = build_engine(rt, drafter, drafter_path, draft_tokens, draft_policy, prepare_rows=max_batch_size,

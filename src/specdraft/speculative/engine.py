@@ -72,6 +72,7 @@ class Engine:
         self.slots: list[ActiveRow] = []  # slots[:n_dec] decode, the rest prefill
         self.n_dec = 0
         self.cache = None  # allocated by the first request (see _allocate)
+        self.cache_bytes = 0
         self._finished: list[GenerationResult] = []
 
     @property
@@ -208,6 +209,7 @@ class Engine:
         dev, spare = self.device, min(self.prefill_chunk, longest_prompt)
         self.capacity = capacity
         self.cache = self.model.new_cache(rows + 1, capacity + spare)
+        self.cache_bytes = self.cache.nbytes()  # reported after a batch, when the cache is gone
         self.tokens = torch.zeros(rows + 1, capacity + spare + self.width + 2, dtype=torch.long, device=dev)
         self.last = torch.zeros(rows + 1, dtype=torch.long, device=dev)
         self.position = torch.zeros(rows + 1, dtype=torch.long, device=dev)

@@ -153,7 +153,7 @@ def _attend_long(q, k, v, mask, scale):
     """The CPU flash kernel reads every key for every query and only then applies the mask, so a
     causal prompt paid for the keys after each query too, and sliding layers for keys past their
     window: attention was ~85% of a 700-token prompt's non-matmul time (BENCHMARKS.md,
-    twenty-third session). Blocks of queries over the key range their mask opens skip most of that:
+    "Lookups that learn past 3 drafts"). Blocks of queries over the key range their mask opens skip most of that:
     Gemma 3 270M's prompt of 300 / 700 / 1500 tokens 1.13x / 1.10x / 1.42x faster, blocks of 64
     measured against 128 and 256 (sliding layers then read ~window + 64 keys a query)."""
     gqa = k.shape[1] != q.shape[1]

@@ -124,8 +124,10 @@ def test_the_refusal_names_a_setting_that_fits(folder: Path) -> None:
     short = estimate(shape, "q8", torch.float32, 512)
     with pytest.raises(SpecdraftError, match=r"a context of \d+ tokens fits"):
         check_fits(shape, "tiny", "q8", torch.float32, 65536, available=(q8.total + short.total) // 2)
-    with pytest.raises(SpecdraftError, match=r"--weights q4 needs"):
+    with pytest.raises(SpecdraftError, match=r"--weights q4 fits \(~"):
         check_fits(shape, "tiny", "q8", torch.float32, 512, available=short.total - 1)
+    with pytest.raises(SpecdraftError, match=r"no smaller format or context"):
+        check_fits(shape, "tiny", "q8", torch.float32, 512, available=1 << 20)
 
 
 def test_a_step_reads_one_row_of_each_lookup_table(folder: Path) -> None:

@@ -130,9 +130,20 @@ def _cgroup_free() -> int | None:
         return None
 
 
+def _fitting_context(model: nn.Module, fmt: str, dtype: torch.dtype, context: int, batch_size: int,
+                     free: int) -> int | None:
+    """The longest context, halving from `context` down to 512 tokens, whose footprint fits in `free`."""
+    while context >= 512:
+        if estimate(model, fmt, dtype, context, batch_size).total <= free:
+            return context
+        context //= 2
+    return None
+
+
 def check_fits(model: nn.Module, name: str, fmt: str, dtype: torch.dtype, context: int, batch_size: int = 1,
                available: int | None = None) -> Footprint:
-    """The footprint, or a SpecdraftError naming what would fit when it exceeds the memory available."""
+    """The footprint, or a SpecdraftError naming what would fit when it exceeds the memory available:
+    the next smaller format, a shorter context, or both."""
     need = estimate(model, fmt, dtype, context, batch_size)
     free = available_memory() if available is None else available
     if need.total <= free:
@@ -140,12 +151,14 @@ def check_fits(model: nn.Module, name: str, fmt: str, dtype: torch.dtype, contex
     options = []
     smaller = SMALLER.get(fmt)
     if smaller is not None:
-        alt = estimate(model, smaller, dtype if smaller not in ("q8", "q4") else torch.float32, context, batch_size)
-        options.append(f"--weights {smaller} needs ~{alt.total / GB:.1f} GB")
-    shorter = context
-    while shorter > 512 and need.weights + need.working + kv_bytes(model, dtype, shorter, batch_size) > free:
-        shorter //= 2
-    if shorter < context and need.weights + need.working + kv_bytes(model, dtype, shorter, batch_size) <= free:
+        small_dtype = torch.float32 if smaller in ("q8", "q4") else dtype
+        alt = estimate(model, smaller, small_dtype, context, batch_size)
+        if alt.total <= free:
+            options.append(f"--weights {smaller} fits (~{alt.total / GB:.1f} GB)")
+        elif (fits := _fitting_context(model, smaller, small_dtype, context // 2, batch_size, free)) is not None:
+            options.append(f"--weights {smaller} with a context of {fits} tokens fits")
+    shorter = _fitting_context(model, fmt, dtype, context // 2, batch_size, free)
+    if shorter is not None:
         options.append(f"a context of {shorter} tokens fits")
-    hint = "; ".join(options) if options else "no smaller setting fits this machine"
+    hint = "; ".join(options) if options else "no smaller format or context down to 512 tokens fits this machine"
     raise SpecdraftError(f"{name} needs {need.describe(fmt, context)} but {free / GB:.1f} GB is available; {hint}")

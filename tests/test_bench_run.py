@@ -188,7 +188,7 @@ def test_report_from_rebuilds_a_finished_runs_tables(tiny_folder, questions_file
     assert json.loads((out / "results.json").read_text())["summary"] == json.loads(json.dumps(summary))
     assert "rewrote" in capsys.readouterr().out
     for argv, needle in ((["bench", "--report-from", str(tmp_path / "none")], "does not exist"),
-                         (["bench"], "--questions is required")):
+                         (["bench", "--methods", "nope"], "unknown method")):
         assert main(argv) != 0
         assert needle in capsys.readouterr().err
     (out / "results.json").write_text("{}")

@@ -12,7 +12,8 @@ from specdraft.errors import SpecdraftError
 from specdraft.loading.presets import DEFAULT_MODEL, PRESETS, resolve_model
 from specdraft.loading.weights import MappedSafetensors, decoder_name, safetensors_files
 from specdraft.models.architectures.hf_config import read_model_config
-from specdraft.models.formats.quant import BLOCK_FORMATS, StreamingCompactor
+from specdraft.models.formats.quant import BLOCK_FORMATS
+from specdraft.models.formats.streaming import StreamingCompactor
 
 
 def read_config(folder: Path) -> dict:

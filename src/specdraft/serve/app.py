@@ -16,7 +16,6 @@ import secrets
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from importlib import resources
 from typing import Callable, Iterable
 
@@ -30,24 +29,14 @@ from specdraft.serve.limits import BODY_TIMEOUT_S, MAX_BODY_BYTES, ClientGone, G
 from specdraft.serve.metrics import Metrics
 from specdraft.serve.prepare import Prepared, prepare, validation_message
 from specdraft.serve.schemas import ChatRequest, CompletionRequest
+from specdraft.serve.served import ServedModel
 from specdraft.serve.shapes import FINISH, ApiError, Shaper, error, error_type, spec_stats, sse
 from specdraft.serve.text import TextStream, longest_token_chars
 from specdraft.serve.worker import EngineWorker, QueueFull, Sink, Unavailable
-from specdraft.speculative.engine import Engine
-from specdraft.tokenizer import Tokenizer
 
 log = logging.getLogger("specdraft.serve")
 CPU_THREADS = 2  # parsing and tokenizing; each holds a request's worth of CPU work at most
 CLIENT_GONE = 499  # nginx's status for a request whose client hung up (nobody reads it)
-
-
-@dataclass
-class ServedModel:
-    name: str
-    engine: Engine
-    tokenizer: Tokenizer
-    drafter: str  # the drafter kind actually used ("none" for plain decoding)
-    k: int
 
 
 class _State:

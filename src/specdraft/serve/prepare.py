@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import MIN_SCALED_TEMPERATURE, SamplingParams
 from specdraft.serve.schemas import ChatRequest, CompletionRequest, SamplingFields, refused_parameter
+from specdraft.serve.served import ServedModel
 from specdraft.serve.shapes import ApiError
 from specdraft.serve.text import encode, longest_token_chars
 from specdraft.speculative.request import Request as EngineRequest
 
-if TYPE_CHECKING:
-    from specdraft.serve.app import ServedModel
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 # Pydantic names union members and validators in error locations; only field names help a user.

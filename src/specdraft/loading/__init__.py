@@ -2,28 +2,17 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from specdraft.config import ModelConfig
 from specdraft.errors import SpecdraftError
-from specdraft.loading.presets import DEFAULT_MODEL, PRESETS, resolve_model
+from specdraft.loading.presets import DEFAULT_MODEL, PRESETS, read_config, resolve_model
 from specdraft.loading.weights import MappedSafetensors, decoder_name, safetensors_files
 from specdraft.models.architectures.hf_config import read_model_config
 from specdraft.models.formats.quant import BLOCK_FORMATS
 from specdraft.models.formats.streaming import StreamingCompactor
-
-
-def read_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SpecdraftError(f"{folder}: no config.json") from None
-    except json.JSONDecodeError as e:
-        raise SpecdraftError(f"{path}: invalid JSON ({e})") from None
 
 
 def build_model(cfg: ModelConfig) -> torch.nn.Module:

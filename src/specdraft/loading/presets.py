@@ -128,8 +128,6 @@ def gguf_source(name_or_path: str) -> Path | None:
 def model_config_dict(name_or_path: str) -> dict:
     """The config.json of what `resolve_model` would load, without loading or converting it: a
     folder's config.json, a converted preset's, else the GGUF's header (gguf_file.gguf_config)."""
-    import json
-
     if name_or_path in PRESETS and is_converted(preset_dir(name_or_path)):
         folder = preset_dir(name_or_path)
     else:
@@ -141,11 +139,18 @@ def model_config_dict(name_or_path: str) -> dict:
         folder = Path(name_or_path).expanduser()
         if not folder.is_dir():
             resolve_model(name_or_path)  # the same one-line refusal a load would give
+    return read_config(folder)
+
+
+def read_config(folder: Path) -> dict:
+    """A Hugging Face folder's config.json, with one-line errors for a missing or broken one."""
+    import json
+
     path = folder / "config.json"
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
-        raise SpecdraftError(f"{folder}: folder has no config.json (expected a Hugging Face model folder)") from None
+        raise SpecdraftError(f"{folder}: no config.json (expected a Hugging Face model folder)") from None
     except json.JSONDecodeError as e:
         raise SpecdraftError(f"{path}: invalid JSON ({e})") from None
 

@@ -1,6 +1,6 @@
 """Gemma 4 checkpoints at their published sizes, with random weights: target, assistant and a GGUF.
 
-    python tools/gemma4_real_size.py {e2b,e4b,26b-a4b,31b} OUT [--layers N] [--seed S]
+    python tools/gemma4_real_size.py {e2b,e4b,26b-a4b,31b} OUT [--layers N] [--seed S] [--no-gguf]
 
 writes
   OUT/target/     the Hugging Face layout of google/gemma-4-<size>-it's text decoder: sharded bf16
@@ -19,7 +19,8 @@ Sizes of the target text decoder (bf16 safetensors + Q8_0 GGUF; the assistant ad
   e2b      4.63 B parameters, 9.3 GB + 4.9 GB     e4b  7.46 B, 14.9 GB + 7.9 GB
   26b-a4b  25.2 B, 50 GB + 27 GB (use --layers)   31b  30.7 B, 61 GB + 33 GB (use --layers)
 (the published 5.1 B / 8 B totals of E2B / E4B include their vision and audio towers).
-`--layers N` keeps every width and writes the first N layers (see "Fewer layers").
+`--layers N` keeps every width and writes the first N layers (see "Fewer layers"); `--no-gguf`
+skips the GGUF, so a whole 26b-a4b (50 GB) fits a disk with ~65 GB free.
 
 What is written, and why
 ------------------------
@@ -727,8 +728,9 @@ class Written:
 
 def build(size: str, out: Path, layers: int | None = None, seed: int = 0, tokenizer: Path | None = None,
           config: dict[str, Any] | None = None, assistant: dict[str, Any] | None = None,
-          shard_bytes: int = SHARD_BYTES, quiet: bool = False) -> Written:
-    """Write OUT/target, OUT/assistant and OUT/target.gguf (see the module docstring).
+          shard_bytes: int = SHARD_BYTES, quiet: bool = False, gguf: bool = True) -> Written:
+    """Write OUT/target, OUT/assistant and OUT/target.gguf (see the module docstring); with
+    `gguf` False no GGUF, for a whole 26B-A4B / 31B on a disk that holds one copy only.
 
     `tokenizer`: the GGUF to take the tokenizer from (main passes Gemma 3's; without one no
     tokenizer files are written and the GGUF has no vocabulary). `config` / `assistant` replace
@@ -754,9 +756,11 @@ def build(size: str, out: Path, layers: int | None = None, seed: int = 0, tokeni
     rope = GGUFTensor("rope_freqs.weight", freqs.shape, GGMLQuantizationType.F32)
     depth = f", {cfg['num_hidden_layers']} layers" if layers else ""
     label = f"Gemma 4 {size.upper()} (random weights{depth})"
-    stream = GGUFStream(gguf_path, cfg, [rope] + [gguf_tensor(s) for s in specs], label, tok_fields)
+    stream = GGUFStream(gguf_path, cfg, [rope] + [gguf_tensor(s) for s in specs], label, tok_fields) \
+        if gguf else None
     target_bytes = write_weights(target_dir, specs, seed, stream, [(rope, freqs)], shard_bytes, quiet)
-    stream.close()
+    if stream is not None:
+        stream.close()
 
     acfg = assistant or (assistant_config(size) if config is None else assistant_for(cfg, size))
     write_json(assistant_dir / "config.json", acfg)
@@ -768,7 +772,7 @@ def build(size: str, out: Path, layers: int | None = None, seed: int = 0, tokeni
     aspecs = assistant_tensors(acfg)
     assistant_bytes = write_weights(assistant_dir, aspecs, seed + 1, quiet=quiet)
     return Written(parameter_count(specs), target_bytes, parameter_count(aspecs), assistant_bytes,
-                   gguf_path.stat().st_size)
+                   gguf_path.stat().st_size if gguf else 0)
 
 
 def assistant_for(cfg: dict[str, Any], size: str, **own: Any) -> dict[str, Any]:
@@ -796,10 +800,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None,
                    help="write only the first N layers, at full width (26b-a4b and 31b need it on a small disk)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-gguf", action="store_true",
+                   help="skip OUT/target.gguf (the whole 26b-a4b in bf16 alone is 50 GB)")
     args = p.parse_args(argv)
     cfg = text_config(args.size, args.layers)
     specs = target_tensors(cfg)
-    need = sum(s.nbytes for s in specs) * 1.55 + 0.3e9  # bf16 + Q8_0 (~0.53 of bf16) + assistant
+    # bf16 + Q8_0 (~0.53 of bf16) + assistant
+    need = sum(s.nbytes for s in specs) * (1.0 if args.no_gguf else 1.55) + 0.3e9
     existing = next(p for p in [args.out, *args.out.resolve().parents] if p.exists())
     free = shutil.disk_usage(existing).free
     print(f"gemma4_real_size: {args.size}, {cfg['num_hidden_layers']} layers, {parameter_count(specs) / 1e9:.2f} B "
@@ -809,11 +816,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    w = build(args.size, args.out, args.layers, args.seed, tokenizer=gemma3_gguf_path())
+    w = build(args.size, args.out, args.layers, args.seed, tokenizer=gemma3_gguf_path(), gguf=not args.no_gguf)
     print(f"target:    {args.out / 'target'}  {w.target_params:,} parameters, {w.target_bytes:,} bytes (bf16)\n"
           f"assistant: {args.out / 'assistant'}  {w.assistant_params:,} parameters, {w.assistant_bytes:,} bytes\n"
-          f"gguf:      {args.out / 'target.gguf'}  {w.gguf_bytes:,} bytes (Q8_0)\n"
-          f"in {time.perf_counter() - t0:.0f} s")
+          + (f"gguf:      {args.out / 'target.gguf'}  {w.gguf_bytes:,} bytes (Q8_0)\n" if w.gguf_bytes else "")
+          + f"in {time.perf_counter() - t0:.0f} s")
     return 0
 
 

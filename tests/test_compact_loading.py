@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 from gemma4_tiny import moe_overrides, randomize_, target_text_config  # noqa: E402
 from specdraft.drafters.ngram import NgramDrafter  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
+from specdraft.kv_cache import PREFILL_CHUNK  # noqa: E402
 from specdraft.loading import describe_folder, load_folder  # noqa: E402
 from specdraft.loading.footprint import check_fits, estimate  # noqa: E402
 from specdraft.models.formats import q8_act_linear  # noqa: E402
@@ -99,7 +100,14 @@ def test_estimate_counts_formats_and_context(folder: Path) -> None:
     _, shape = describe_folder(folder)
     q8, q4 = estimate(shape, "q8", torch.float32, 1024), estimate(shape, "q4", torch.float32, 1024)
     assert q4.weights < q8.weights < estimate(shape, "dtype", torch.float32, 1024).weights
-    assert estimate(shape, "q8", torch.float32, 2048).kv == 2 * q8.kv
+    per_position = {False: 0, True: 0}  # bytes per cached position: full layers, sliding layers
+    for layer in shape.kv_layers():
+        lay = shape.attention_layout(layer)
+        per_position[lay.window is not None] += 2 * lay.num_kv_heads * lay.head_dim * 4
+    ring = shape.config.sliding_window + PREFILL_CHUNK  # sliding layers keep a ring (kv_cache.py)
+    for context in (16, 1024, 2048):
+        kv = estimate(shape, "q8", torch.float32, context).kv
+        assert kv == per_position[False] * context + per_position[True] * min(context, ring)
     assert estimate(shape, "q8", torch.float32, 1024, batch_size=4).kv == 4 * q8.kv
 
 

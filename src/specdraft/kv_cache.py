@@ -4,9 +4,15 @@ Layout per cached layer: K and V of shape [B, kv_heads, capacity, head_dim], sto
 attention uses them (after k-norm and RoPE). Each row has its own length, so rows of different
 lengths share one batch. Writing T tokens puts them at positions lengths[b] .. lengths[b]+T-1;
 `rollback` only lowers lengths: entries past a row's length are invisible (masked by position)
-and get overwritten by the next write. Sliding-window layers keep every position too (no ring
-buffer), so a rollback can never lose an entry that becomes visible again; attention only reads
-the last `window` keys, so compute still follows the window.
+and get overwritten by the next write.
+
+Sliding-window layers can keep a ring instead (`rings`): position p lives in slot p mod R, with
+R = window + max_forward, where max_forward bounds both the tokens one forward writes and how far
+a rollback reaches back past the furthest position written. Then every key a query can see is
+still in the ring, and an entry a rejected draft overwrote is always older than any query's
+window, so it stays masked. Keys sit in ring order; masks come from the position each slot holds
+(`ring_positions`). Without rings, sliding layers keep every position and attention reads only
+the last `window` keys.
 
 Lengths live twice: as a device tensor (positions for RoPE and masks) and as a host list (key
 spans, capacity checks). Keeping the host copy means a forward never waits on the device to
@@ -35,6 +41,9 @@ SHORT_FORWARD = 16
 # compiled kernels instead of building and caching one per length (measured: resident memory
 # crept up by the cached kernels). Appended masked keys add exact zeros: results are unchanged.
 SPAN_BLOCK = 128
+# An engine prefills prompts in forwards of at most this many tokens, which sizes its rings
+# (window + this); wider chunks gain little and keep the rings and the attention masks larger.
+PREFILL_CHUNK = 256
 
 
 @dataclass
@@ -47,6 +56,38 @@ class AttentionSpan:
     lo: int
     hi: int
     mask: torch.Tensor
+
+
+def ring_positions(size: int, ends: torch.Tensor, span: int) -> torch.Tensor:
+    """[B, span]: the position slot j of a ring of `size` slots holds, in each row whose writes end
+    at ends[b] (exclusive): the latest position ≡ j (mod size) below the end; negative where
+    nothing has been written yet."""
+    j = torch.arange(span, device=ends.device)
+    return j + size * torch.div(ends[:, None] - 1 - j, size, rounding_mode="floor")
+
+
+def ring_span(positions: torch.Tensor, ends: torch.Tensor, size: int, end: int, window: int | None) -> AttentionSpan:
+    """Span for queries at `positions` [B, T] over a ring of `size` slots whose rows' writes end at
+    `ends` [B]: slots [0, min(size, end)), each masked by the position it holds."""
+    held = ring_positions(size, ends, min(size, end))[:, None, :]
+    q = positions[:, :, None]
+    mask = (held >= 0) & (held <= q)
+    if window is not None:
+        mask &= held > q - window
+    return AttentionSpan(0, held.shape[2], mask[:, None])
+
+
+def ring_sizes(windows: list[int | None], capacity: int, max_forward: int | None,
+               reads_window: int | None = None) -> list[int | None]:
+    """Per slot: the ring a sliding slot keeps (window + max_forward, or the wider window another
+    reader of the cache needs, + max_forward), or None where the whole capacity is as small."""
+    if max_forward is None:
+        return [None] * len(windows)
+    out: list[int | None] = []
+    for w in windows:
+        size = None if w is None else max(w, reads_window or 0) + max_forward
+        out.append(size if size is not None and size < capacity else None)
+    return out
 
 
 def attention_span(positions: torch.Tensor, lowest: int, end: int, window: int | None) -> AttentionSpan:
@@ -72,18 +113,33 @@ class KVCache:
         capacity: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        windows: list[int | None] | None = None,
+        max_forward: int | None = None,
+        reads_window: int | None = None,
     ):
-        """layer_shapes: (kv_heads, head_dim) for every layer that stores K/V, in order."""
-        k = [torch.zeros(batch_size, h, capacity, d, dtype=dtype, device=device) for h, d in layer_shapes]
-        v = [torch.zeros(batch_size, h, capacity, d, dtype=dtype, device=device) for h, d in layer_shapes]
-        self._init(k, v, torch.zeros(batch_size, dtype=torch.long, device=device), [0] * batch_size, 0)
+        """layer_shapes: (kv_heads, head_dim) for every layer that stores K/V, in order.
+
+        windows: each slot's sliding window (None: full attention). With `max_forward` set, sliding
+        slots keep a ring (see the module docstring); `reads_window` is the widest window any
+        other reader of the cache (a drafter) looks back over, if wider than the slot's own."""
+        rings = ring_sizes(windows or [None] * len(layer_shapes), capacity, max_forward, reads_window)
+        k = [torch.zeros(batch_size, h, r or capacity, d, dtype=dtype, device=device)
+             for (h, d), r in zip(layer_shapes, rings)]
+        v = [torch.zeros_like(t) for t in k]
+        self._init(k, v, torch.zeros(batch_size, dtype=torch.long, device=device), [0] * batch_size, 0,
+                   capacity, rings, windows or [None] * len(layer_shapes), max_forward, [0] * batch_size)
 
     def _init(self, k: list[torch.Tensor], v: list[torch.Tensor], lengths: torch.Tensor,
-              host: list[int], offset: int) -> None:
+              host: list[int], offset: int, capacity: int, rings: list[int | None],
+              windows: list[int | None], max_forward: int | None, written: list[int]) -> None:
         self.k, self.v = k, v
-        self.batch_size, self.capacity = lengths.shape[0], k[0].shape[2] if k else 0
+        self.batch_size, self.capacity = lengths.shape[0], capacity
+        self.rings = rings  # per slot: ring size, or None (slot j holds position j)
+        self._ring_of_window = {w: r for w, r in zip(windows, rings) if r is not None}
+        self._windows, self.max_forward = windows, max_forward
         self.lengths = lengths  # [B] device; updated in place so row views stay in step
         self._host, self._offset = host, offset  # the host copy is shared with every view
+        self._written = written  # per row: the furthest position end written since reset (shared too)
         self._rows = torch.arange(self.batch_size, device=lengths.device)[:, None]
         # Set by `begin`: positions of the tokens being written in the current forward.
         self.positions = torch.zeros(self.batch_size, 0, dtype=torch.long, device=lengths.device)
@@ -109,19 +165,23 @@ class KVCache:
             raise ValueError(f"rows [{start}, {stop}) outside a cache of {self.batch_size} rows")
         view = KVCache.__new__(KVCache)
         view._init([t[start:stop] for t in self.k], [t[start:stop] for t in self.v],
-                   self.lengths[start:stop], self._host, self._offset + start)
+                   self.lengths[start:stop], self._host, self._offset + start, self.capacity, self.rings,
+                   self._windows, self.max_forward, self._written)
         return view
 
     def copy_row(self, src: int, dst: int) -> None:
         """Make row dst a copy of row src (its K/V up to its length, and the length)."""
         n = self.host_lengths[src]
         for store in (self.k, self.v):
-            for t in store:
-                t[dst, :, :n] = t[src, :, :n]
+            for t, ring in zip(store, self.rings):
+                m = n if ring is None else self._written[self._offset + src]  # a ring: stale slots too
+                t[dst, :, : min(m, t.shape[2])] = t[src, :, : min(m, t.shape[2])]
+        self._written[self._offset + dst] = self._written[self._offset + src]
         self._set_lengths({dst: n})
 
     def reset_row(self, row: int) -> None:
         """Empty one row (a new request takes its place)."""
+        self._written[self._offset + row] = 0
         self._set_lengths({row: 0})
 
     # --- one forward -------------------------------------------------------------------------
@@ -131,6 +191,8 @@ class KVCache:
         lo, hi = min(host), max(host)
         if hi + num_tokens > self.capacity:
             raise ValueError(f"KV cache full: {hi} + {num_tokens} tokens exceed capacity {self.capacity}")
+        if self._ring_of_window and num_tokens > self.max_forward:
+            raise ValueError(f"a forward of {num_tokens} tokens is wider than the rings allow ({self.max_forward})")
         # Equal lengths (batch 1, or a fresh batch) let writes use a plain slice.
         self._uniform_start = lo if lo == hi else None
         self._span_bounds = (lo, hi + num_tokens)
@@ -147,25 +209,37 @@ class KVCache:
     def span(self, window: int | None) -> AttentionSpan:
         """Keys visible to the current forward's queries: causal, and within `window` if given."""
         min_len, hi = self._span_bounds
+        ring = self._ring_of_window.get(window)
+        if ring is not None:
+            return ring_span(self.positions, self.positions[:, -1] + 1, ring, self.span_end, window)
         if self.positions.shape[1] > SHORT_FORWARD:
             return attention_span(self.positions, min_len, hi, window)
         return attention_span(self.positions, 0, self.span_end, window)
 
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k, v [B, kv_heads, T, head_dim] for the current forward at cache slot `slot`."""
-        if self._uniform_start is not None:
-            start = self._uniform_start
-            self.k[slot][:, :, start : start + k.shape[2]] = k
-            self.v[slot][:, :, start : start + v.shape[2]] = v
+        ring, t = self.rings[slot], k.shape[2]
+        start = self._uniform_start
+        if start is not None and ring is not None and start % ring + t <= ring:
+            start %= ring  # a ring that does not wrap in this forward: still one slice
+        elif ring is not None:
+            start = None
+        if start is not None:
+            self.k[slot][:, :, start : start + t] = k
+            self.v[slot][:, :, start : start + t] = v
         else:
-            self.k[slot][self._rows, :, self.positions] = k.transpose(1, 2)
-            self.v[slot][self._rows, :, self.positions] = v.transpose(1, 2)
+            at = self.positions if ring is None else self.positions % ring
+            self.k[slot][self._rows, :, at] = k.transpose(1, 2)
+            self.v[slot][self._rows, :, at] = v.transpose(1, 2)
 
     def end(self) -> None:
         """Every written token now counts; callers roll back what they do not keep."""
         t = self.positions.shape[1]
         self.lengths += t
         self._set_host([n + t for n in self.host_lengths])
+        a = self._offset
+        self._written[a : a + self.batch_size] = [max(w, n) for w, n in zip(self._written[a : a + self.batch_size],
+                                                                            self.host_lengths)]
 
     def rollback(self, lengths: torch.Tensor | list[int]) -> None:
         """Shorten rows to `lengths` [B] (never lengthens). Bookkeeping only: nothing is copied.
@@ -174,6 +248,11 @@ class KVCache:
         wanted = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
         if len(wanted) != self.batch_size:
             raise ValueError(f"rollback got {len(wanted)} lengths for {self.batch_size} rows")
+        if self._ring_of_window:
+            written = self._written[self._offset : self._offset + self.batch_size]
+            if any(w - int(b) > self.max_forward for w, b in zip(written, wanted)):
+                raise ValueError(f"a rollback past {self.max_forward} tokens behind the furthest write "
+                                 "would expose ring slots a later write replaced")
         self._set_host([min(a, int(b)) for a, b in zip(self.host_lengths, wanted)])
         self.lengths.copy_(torch.tensor(self.host_lengths, dtype=torch.long), non_blocking=True)
 
@@ -191,10 +270,14 @@ class IndexedWrites:
     """The cache as a compiled step sees it: storage and the positions being written, nothing
     kept on the host, so one compiled graph serves every position and every mix of row lengths."""
 
-    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], positions: torch.Tensor):
+    def __init__(self, k: list[torch.Tensor], v: list[torch.Tensor], positions: torch.Tensor,
+                 rings: tuple[int | None, ...] = ()):
         self.k, self.v, self.positions = k, v, positions
+        self.rings = rings or (None,) * len(k)
         self._rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
 
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[slot][self._rows, :, self.positions] = k.transpose(1, 2)
-        self.v[slot][self._rows, :, self.positions] = v.transpose(1, 2)
+        ring = self.rings[slot]
+        at = self.positions if ring is None else self.positions % ring
+        self.k[slot][self._rows, :, at] = k.transpose(1, 2)
+        self.v[slot][self._rows, :, at] = v.transpose(1, 2)

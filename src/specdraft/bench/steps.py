@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdraft.kv_cache import KVCache
+from specdraft.kv_cache import PREFILL_CHUNK, KVCache
 from specdraft.speculative.profiling import by_confidence, first_rows, profile_tokens
 
 
@@ -69,9 +69,12 @@ def step_times(model: torch.nn.Module, batch_sizes: list[int], widths: list[int]
     out = []
     vocab = model.config.vocab_size
     for b in batch_sizes:
-        cache: KVCache = model.new_cache(b, context + max(widths) + 1)
+        # the engine's cache (sliding layers in rings where the model keeps them), prefilled as it does
+        cache: KVCache = model.new_cache(b, context + max(widths) + 1, max(PREFILL_CHUNK, max(widths)))
         text = profile_tokens(vocab, b, context + max(widths), seed=0)  # as the adaptive policy times steps
-        states = by_confidence(model, model(text[:, :context].to(cache.device), cache)[0, -128:])
+        hidden = [model(text[:, at : min(context, at + PREFILL_CHUNK)].to(cache.device), cache)[0, -128:]
+                  for at in range(0, context, PREFILL_CHUNK)]
+        states = by_confidence(model, torch.cat(hidden)[-128:])
         base = None
         for w in widths:
             tokens = text[:, context : context + w].to(cache.device)

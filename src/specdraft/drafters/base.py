@@ -126,6 +126,11 @@ class Drafter:
         """Memory the drafter adds (parameters and buffers), for honest overhead reports."""
         return 0
 
+    def reads_window(self) -> int | None:
+        """The widest sliding window its queries look back over in the target's KV cache, where
+        wider than the target's own (the cache keeps that much of sliding layers); None if not."""
+        return None
+
     # --- what the draft policy's cost model asks of a drafter -------------------------------------
     def cost_key(self) -> str:
         """What one drafting step's time depends on: the cost table keeps drafters apart by it."""

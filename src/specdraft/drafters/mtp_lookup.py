@@ -49,6 +49,9 @@ class MTPWithLookup(Drafter):
     def nbytes(self) -> int:
         return self.mtp.nbytes()
 
+    def reads_window(self) -> int | None:
+        return self.mtp.reads_window()
+
     def cost_key(self) -> str:
         return self.mtp.cost_key()  # lookups are free: the MTP steps cost
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
+from specdraft.kv_cache import PREFILL_CHUNK
 
 GB = 1 << 30
 BYTES_PER_WEIGHT = {"q8": 34 / 32, "q4": 18 / 32, "int8": 1.0, "int4": 0.6, "fp16": 2.0, "gguf": 1.1, "gguf-q8": 1.1}
@@ -82,12 +83,17 @@ def estimate(model: nn.Module, fmt: str, dtype: torch.dtype, context: int, batch
 
 
 def kv_bytes(model: nn.Module, dtype: torch.dtype, context: int, batch_size: int = 1) -> int:
+    """The engine's KV cache: `context` positions per layer that stores K/V, or, where the model
+    keeps sliding layers in rings, window + a prefill chunk of them."""
     size = torch.finfo(dtype).bits // 8
     total = 0
     for layer in model.kv_layers():
         layout = model.attention_layout(layer)
-        total += 2 * layout.num_kv_heads * layout.head_dim * size
-    return total * context * batch_size
+        kept = context
+        if getattr(model, "sliding_rings", False) and layout.window is not None:
+            kept = min(context, layout.window + PREFILL_CHUNK)
+        total += 2 * layout.num_kv_heads * layout.head_dim * size * kept
+    return total * batch_size
 
 
 def available_memory() -> int:

@@ -30,7 +30,7 @@ import torch
 
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.errors import SpecdraftError
-from specdraft.kv_cache import SHORT_FORWARD
+from specdraft.kv_cache import PREFILL_CHUNK, SHORT_FORWARD
 from specdraft.sampling import SamplingParams
 from specdraft.speculative.group_verify import draft_sampling, verify_rows
 from specdraft.speculative.policy import DraftPolicy, FixedPolicy
@@ -41,7 +41,6 @@ from specdraft.speculative.stops import StopChecker
 from specdraft.tokenizer import Tokenizer
 
 MAX_DRAFT_TOKENS = 32
-PREFILL_CHUNK = 256
 
 
 class Engine:
@@ -208,7 +207,10 @@ class Engine:
         every row to the widest chunk, so a row may write up to a chunk past its prompt."""
         dev, spare = self.device, min(self.prefill_chunk, longest_prompt)
         self.capacity = capacity
-        self.cache = self.model.new_cache(rows + 1, capacity + spare)
+        # Sliding layers may keep rings: no forward here writes more than a prefill chunk or a
+        # verify, and no rollback reaches back further than the forward it undoes.
+        reads = self.drafter.reads_window() if self.drafter is not None else None
+        self.cache = self.model.new_cache(rows + 1, capacity + spare, max(self.prefill_chunk, self.width + 1), reads)
         self.cache_bytes = self.cache.nbytes()  # reported after a batch, when the cache is gone
         self.tokens = torch.zeros(rows + 1, capacity + spare + self.width + 2, dtype=torch.long, device=dev)
         self.last = torch.zeros(rows + 1, dtype=torch.long, device=dev)

@@ -18,7 +18,7 @@ from specdraft.drafters.mtp.copy import RoundCopies, add_copies, host_copy_colum
 from specdraft.drafters.mtp.head import score
 from specdraft.drafters.mtp.network import DraftStep, LayerContext, MTPNetwork
 from specdraft.errors import SpecdraftError
-from specdraft.kv_cache import attention_span
+from specdraft.kv_cache import KVCache, attention_span, ring_span
 from specdraft.models.kernels.build import applies as kernels_apply
 from specdraft.models.kernels.score_rows import draft_head
 from specdraft.models.architectures.target import AttentionLayout
@@ -33,19 +33,24 @@ HOST_COLUMNS_ROWS = 64
 
 
 def layer_contexts(sources: list[AttentionLayout], keys: list[torch.Tensor], values: list[torch.Tensor],
-                   positions: torch.Tensor, dtype: torch.dtype) -> list[LayerContext]:
+                   positions: torch.Tensor, dtype: torch.dtype, cache: KVCache | None = None) -> list[LayerContext]:
     """Contexts for queries at `positions` [B, T] over per-slot K/V [B, Hkv, S, D] (a KV cache's
     `k`/`v` lists at inference; the stored target K/V of whole sequences in training).
 
     Every query at q sees keys 0..q; in training T > 1 (one query per anchor), at inference
     T = 1 (q = p). Spans are shared between drafter layers that read the same target layer.
+    `cache`: the cache the keys come from, where some slots keep a ring (kv_cache.py).
     """
     lowest, end = (int(x) for x in torch.stack([positions.min(), positions.max() + 1]).tolist())
     built: dict[int, LayerContext] = {}
     out = []
     for src in sources:
         if src.slot not in built:
-            span = attention_span(positions, lowest, end, src.window)
+            ring = cache.rings[src.slot] if cache is not None else None
+            if ring is None:
+                span = attention_span(positions, lowest, end, src.window)
+            else:
+                span = ring_span(positions, cache.lengths, ring, max(cache.host_lengths), src.window)
             src.rope.ensure(end, positions.device)
             cos, sin = src.rope.lookup(positions, dtype)
             built[src.slot] = LayerContext(
@@ -113,6 +118,10 @@ class MTPDrafter(Drafter):
         self.round_copies = RoundCopies() if net.copy_gate is not None else None  # the gate's inputs
         self._token_slots = None  # the clustered head's token slots, on the host (host_copy_columns)
         self._slot_tensors = None  # the same as int32 tensors (_head_kernel)
+
+    def reads_window(self) -> int | None:
+        windows = [src.window for src in self.sources if src.window is not None]
+        return max(windows) if windows else None
 
     def nbytes(self) -> int:
         return self.net.nbytes()
@@ -252,7 +261,7 @@ class MTPDrafter(Drafter):
                 generator: torch.Generator | RowStreams | None) -> Draft:
         b = inp.last_token.shape[0]
         dtype = inp.hidden.dtype
-        contexts = layer_contexts(self.sources, inp.cache.k, inp.cache.v, inp.position[:, None], dtype)
+        contexts = layer_contexts(self.sources, inp.cache.k, inp.cache.v, inp.position[:, None], dtype, inp.cache)
         token, state = inp.last_token, inp.hidden
         tokens, probs = [], []
         vocab = self.target.config.vocab_size

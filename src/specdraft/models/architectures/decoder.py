@@ -224,7 +224,9 @@ class Transformer(CachedDecoder):
             e = e * torch.tensor(self.config.embed_scale, dtype=e.dtype)
         return e
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+    def new_cache(self, batch_size: int, capacity: int, max_forward: int | None = None,
+                  reads_window: int | None = None) -> KVCache:
+        """Every layer keeps the whole context (no rings): the fused C layers index keys by position."""
         cfg = self.config
         p = self.embed_tokens.weight
         for table in self.ropes.values():

@@ -206,6 +206,8 @@ class Gemma4Layer(nn.Module):
 class Gemma4Transformer(CachedDecoder):
     """forward(tokens, cache) -> final-normed hidden states; logits(hidden) -> vocabulary scores."""
 
+    sliding_rings = True
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -230,15 +232,18 @@ class Gemma4Transformer(CachedDecoder):
             e = e.to(self.dtype)
         return e * torch.tensor(self.config.embed_scale, dtype=e.dtype)
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
-        """One slot per layer that computes K/V (KV-shared layers read their producer's slot)."""
+    def new_cache(self, batch_size: int, capacity: int, max_forward: int | None = None,
+                  reads_window: int | None = None) -> KVCache:
+        """One slot per layer that computes K/V (KV-shared layers read their producer's slot);
+        with `max_forward`, sliding slots keep a ring of their window (kv_cache.py)."""
         cfg, p = self.config, self.params
         w = self.embed_tokens.weight
         for table in self.ropes.values():
             table.ensure(capacity, w.device)
         types = cfg.layer_types[: p.first_shared_layer]
         shapes = [(p.num_kv_heads[t], p.head_dim[t]) for t in types]
-        return KVCache(shapes, batch_size, capacity, self.dtype, w.device)
+        return KVCache(shapes, batch_size, capacity, self.dtype, w.device, [self.windows[t] for t in types],
+                       max_forward, reads_window)
 
     def cache_slot(self, layer: int) -> int:
         """Producers are layers 0..first_shared-1, stored in slots of the same index."""

@@ -44,7 +44,11 @@ class TargetModel(Protocol):
     def __call__(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """tokens [B, T] at each row's next T positions -> final-normed hidden [B, T, H]."""
 
-    def new_cache(self, batch_size: int, capacity: int) -> KVCache: ...
+    def new_cache(self, batch_size: int, capacity: int, max_forward: int | None = None,
+                  reads_window: int | None = None) -> KVCache:
+        """A cache of `capacity` positions per row. With `max_forward` (the widest forward and the
+        furthest rollback the caller makes), a model may keep sliding layers in rings
+        (kv_cache.py); `reads_window`: the widest window a drafter reads of it."""
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Input embeddings [..., H] with the model's own scaling."""
@@ -86,6 +90,9 @@ class CachedDecoder(nn.Module):
     Subclasses define `run_layers` (embedding to final norm) and set `config`, `windows`
     (layer type -> sliding window or None), `embed_tokens` and `lm_head`.
     """
+
+    # Whether new_cache keeps sliding layers in rings when given max_forward (kv_cache.py).
+    sliding_rings = False
 
     def __init__(self) -> None:
         super().__init__()

@@ -98,7 +98,8 @@ def release_free_memory() -> None:
     Tensors of ever-changing sizes (a batch's logits, a drafter's candidate rows) leave glibc's
     heap fragmented: the memory is free but stays resident, and a long-running server's RSS
     creeps up although no tensor is alive (measured: live tensors constant, RSS +20% over 2,000
-    requests). Trimming when the server goes idle returns it."""
+    requests). Trimming when the server goes idle returns it. Loading trims after each compacted
+    matrix for the same reason: its float32 transients would stay resident (GBs over a 26B load)."""
     try:
         import ctypes
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from specdraft.config import ModelConfig
+from specdraft.device import release_free_memory
 from specdraft.errors import SpecdraftError
 from specdraft.loading.presets import DEFAULT_MODEL, PRESETS, read_config, resolve_model
 from specdraft.loading.weights import MappedSafetensors, decoder_name, safetensors_files
@@ -69,12 +70,15 @@ def load_folder(folder: Path, dtype: torch.dtype, device: torch.device | str, we
             if tuple(tensor.shape) != tuple(expected[name].shape):
                 raise SpecdraftError(f"tensor {name} has shape {tuple(tensor.shape)} but the config implies "
                                      f"{tuple(expected[name].shape)}")
-            keep = compactor.put(name, tensor) if compactor is not None and compactor.takes(name) else True
+            compacted = compactor is not None and compactor.takes(name)
+            keep = compactor.put(name, tensor) if compacted else True
             if keep:
                 as_stored = compactor is not None and name in LOOKUP_TABLES
                 set_parameter(model, name, tensor if as_stored else tensor.to(device=device, dtype=dtype))
                 mapped += tensor.numel() * tensor.element_size() if as_stored else 0
             shard.release(stored)  # a view kept as stored re-reads the rows it needs from the file
+            if compacted:
+                release_free_memory()  # the compaction's float32 transients (device.py says why)
             seen.add(name)
     missing = sorted(set(expected) - seen)
     if missing:

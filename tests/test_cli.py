@@ -130,7 +130,19 @@ def test_prompt_longer_than_context(capsys, model_dir) -> None:
     assert_one_line_error(code, err, "4 tokens + 62 new tokens exceeds")
 
 
+def test_max_context_bounds_requests_and_the_memory_check(capsys, model_dir, monkeypatch) -> None:
+    code, _, err = run(capsys, *base(model_dir, "--max-context", "20", "--max-new-tokens", "17"))
+    assert_one_line_error(code, err, "prompt of 4 tokens + 17 new tokens exceeds --max-context 20")
+    code, out, _ = run(capsys, *base(model_dir, "--max-context", "20", "--max-new-tokens", "16"))
+    assert code == 0 and out.strip()
+    # the check before loading counts the context asked for: a limit that only a short one fits
+    monkeypatch.setenv("SPECDRAFT_MEMORY_LIMIT", "1")
+    code, _, err = run(capsys, *base(model_dir, "--max-context", "20"))
+    assert_one_line_error(code, err, "KV cache", "for 20 tokens")
+
+
 @pytest.mark.parametrize("args,needle", [
+    (["--max-context", "8"], "--max-context must be >= 16"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
     (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),

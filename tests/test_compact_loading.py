@@ -130,7 +130,7 @@ def test_the_refusal_names_a_setting_that_fits(folder: Path) -> None:
     _, shape = describe_folder(folder)
     q8 = estimate(shape, "q8", torch.float32, 65536)
     short = estimate(shape, "q8", torch.float32, 512)
-    with pytest.raises(SpecdraftError, match=r"a context of \d+ tokens fits"):
+    with pytest.raises(SpecdraftError, match=r"--max-context \d+ fits"):
         check_fits(shape, "tiny", "q8", torch.float32, 65536, available=(q8.total + short.total) // 2)
     with pytest.raises(SpecdraftError, match=r"--weights q4 fits \(~"):
         check_fits(shape, "tiny", "q8", torch.float32, 512, available=short.total - 1)

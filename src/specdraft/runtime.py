@@ -74,6 +74,7 @@ class Runtime:
     prefill_dtype: torch.dtype | None = None  # prompts' arithmetic with gguf weights (use_prompt_dtype)
 
     footprint: Footprint | None = None  # the memory estimate checked before loading
+    context: int = DEFAULT_CONTEXT  # positions per row that estimate counted
 
     @classmethod
     def load(cls, name_or_path: str, dtype: str = "auto", device: str = "auto", progress: bool = True,
@@ -100,7 +101,7 @@ class Runtime:
         fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto", gguf_blocks=blocks, int8_rows=int8_rows,
                               large=large)
         prompts = resolve_prefill_dtype(prefill_dtype, fmt, dtype_chosen=dtype == "auto")
-        context = context or min(cfg.max_position_embeddings, DEFAULT_CONTEXT)
+        context = min(context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
         footprint = check_fits(shape, name_or_path, fmt, dt, context, batch_size)
         model, cfg, notes = load_folder(folder, dt, dev, fmt)
         notes += compact_weights(model, fmt, _source_blocks(name_or_path, folder) if fmt.startswith("gguf") else None)
@@ -112,7 +113,8 @@ class Runtime:
         if compile:
             compile_steps(model, announce=progress)
         eos = cfg.eos_token_ids + generation_eos_ids(folder)
-        rt = cls(name_or_path, folder, model, cfg, Tokenizer(folder, eos), dev, dt, notes, fmt, prompts, footprint)
+        rt = cls(name_or_path, folder, model, cfg, Tokenizer(folder, eos), dev, dt, notes, fmt, prompts, footprint,
+                 context)
         gc.collect()  # packing's and the tokenizer's temporaries, then their freed heap back to the OS:
         release_free_memory()  # ~190 MB less resident memory for Gemma 3 270M (gguf weights)
         return rt

@@ -64,7 +64,8 @@ def load_target(args, progress: bool = True):
         check_drafter_fits_target(args.model, args.drafter, getattr(args, "drafter_path", None))
     rt = Runtime.load(args.model, args.dtype, args.device, progress=progress, weights=args.weights,
                       compile=args.compile, prefill_dtype=args.prefill_dtype,
-                      batch_size=max(1, getattr(args, "batch_size", None) or 1))
+                      batch_size=max(1, getattr(args, "batch_size", None) or 1),
+                      context=getattr(args, "max_context", None))
     if note and progress:  # after loading: a bad --model stays a one-line error
         print(f"specdraft: note: {note}", file=sys.stderr)
     return rt

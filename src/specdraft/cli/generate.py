@@ -38,6 +38,10 @@ def register(sub) -> None:
     p.add_argument("--prompts-file", type=Path,
                    help="one prompt per line, or JSONL with a \"prompt\" field (Spec-Bench files: first turn)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="most positions (prompt + new tokens) a prompt may use; the memory check before loading "
+                        "counts a KV cache this long for each of --batch-size rows, and longer requests are "
+                        "refused (default 4096, capped at the model's context)")
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt in the model's chat template (a model without one gets plain text)")
     p.add_argument("--json", action="store_true",
@@ -78,6 +82,8 @@ def run(args) -> int:
         raise SpecdraftError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens < 1:
         raise SpecdraftError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_context is not None and args.max_context < 16:
+        raise SpecdraftError(f"--max-context must be >= 16, got {args.max_context}")
     if any(s == "" for s in args.stop):
         raise SpecdraftError("--stop needs a non-empty string (an empty one would stop at once)")
     check_draft_tokens(args.draft_tokens)
@@ -98,6 +104,10 @@ def run(args) -> int:
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
         ids = [rt.tokenizer.encode_prompt(p, chat) for p in batch]
+        for n in map(len, ids):
+            if n + args.max_new_tokens > rt.context:
+                raise SpecdraftError(f"prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds "
+                                     f"{_context_limit(rt, args.max_context)}")
         on_tokens = _streamer(rt.tokenizer) if stream else None
         t0 = time.perf_counter()
         results = engine.generate(ids, args.max_new_tokens, sampling, tuple(args.stop), on_tokens=on_tokens)
@@ -114,6 +124,15 @@ def run(args) -> int:
             total = merge([r.stats for r in results])
             print(summary_line(total, time.perf_counter() - t0, kind, k), file=sys.stderr)
     return 0
+
+
+def _context_limit(rt, asked: int | None) -> str:
+    """What bounds a request's positions, in the words that say how to change it."""
+    if rt.context == rt.config.max_position_embeddings:
+        return f"the model's context of {rt.context} tokens"
+    if asked is None:
+        return f"the default --max-context of {rt.context} tokens (raise it with --max-context)"
+    return f"--max-context {rt.context}"
 
 
 def ignored_flags(args, kind: str) -> list[str]:

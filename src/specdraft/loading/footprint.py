@@ -162,9 +162,9 @@ def check_fits(model: nn.Module, name: str, fmt: str, dtype: torch.dtype, contex
         if alt.total <= free:
             options.append(f"--weights {smaller} fits (~{alt.total / GB:.1f} GB)")
         elif (fits := _fitting_context(model, smaller, small_dtype, context // 2, batch_size, free)) is not None:
-            options.append(f"--weights {smaller} with a context of {fits} tokens fits")
+            options.append(f"--weights {smaller} with --max-context {fits} fits")
     shorter = _fitting_context(model, fmt, dtype, context // 2, batch_size, free)
     if shorter is not None:
-        options.append(f"a context of {shorter} tokens fits")
+        options.append(f"--max-context {shorter} fits")
     hint = "; ".join(options) if options else "no smaller format or context down to 512 tokens fits this machine"
     raise SpecdraftError(f"{name} needs {need.describe(fmt, context)} but {free / GB:.1f} GB is available; {hint}")

@@ -151,3 +151,23 @@ def test_a_step_reads_one_row_of_each_lookup_table(folder: Path) -> None:
     assert weight_bytes_per_step(model) == before
     packed = sum(b.numel() * b.element_size() for b in model.packed_head.buffers())
     assert before >= packed + table[0].numel() * table.element_size()
+
+
+def test_a_step_reads_the_routed_experts_only(folder: Path) -> None:
+    """A one-token step of a MoE layer reads the top_k experts its token is routed to: routing
+    to every expert instead adds exactly the other experts' stored bytes."""
+    from specdraft.bench.steps import weight_bytes_per_step
+
+    model = _load(folder, "q8", True)
+    layers = [m for m in model.modules() if getattr(m, "moe", False)]
+    if not layers:
+        pytest.skip("no MoE block in this config")
+    routed = weight_bytes_per_step(model)
+    skipped = 0
+    for layer in layers:
+        experts, n = layer.experts, layer.router.proj.out_features
+        stored = sum(t.numel() * t.element_size() for t in list(experts.parameters()) + list(experts.buffers()))
+        assert stored > 0
+        skipped += stored * (n - layer.router.top_k) // n
+        layer.router.top_k = n
+    assert weight_bytes_per_step(model) == routed + skipped

@@ -28,8 +28,9 @@ class StepTime:
 def weight_bytes_per_step(model: torch.nn.Module) -> int:
     """Bytes a one-token decode step reads: every weight and packed buffer at its stored size,
     but one row of each lookup table (token and per-layer embeddings: one row is gathered per
-    token), the token table again in full when the LM head is tied to it and unpacked, and no
-    copies only prompts read (bf16 prompt weights, models/formats/block_linear.py)."""
+    token), the token table again in full when the LM head is tied to it and unpacked, of a MoE
+    layer's experts only the top_k a token is routed to, and no copies only prompts read (bf16
+    prompt weights, models/formats/block_linear.py)."""
     tables = {id(m.weight): m.weight for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     tensors = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     total = sum(t.numel() * t.element_size() for i, t in tensors.items() if i not in tables)
@@ -48,7 +49,20 @@ def weight_bytes_per_step(model: torch.nn.Module) -> int:
                                                                    for b in packed_head.buffers())
     elif packed_head is None and model.lm_head is None:
         total += embed.numel() * embed.element_size()  # tied head reads the table in full
-    return total
+    return total - _unrouted_expert_bytes(model)
+
+
+def _unrouted_expert_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the experts a one-token step skips: all but top_k of each MoE layer's."""
+    skipped = 0
+    for layer in model.modules():
+        router, experts = getattr(layer, "router", None), getattr(layer, "experts", None)
+        if router is None or experts is None or not hasattr(router, "top_k"):
+            continue
+        stored = sum(t.numel() * t.element_size() for t in list(experts.parameters()) + list(experts.buffers()))
+        n = router.proj.out_features
+        skipped += stored * (n - router.top_k) // n
+    return skipped
 
 
 def _median_ms(fn, repeats: int) -> float:

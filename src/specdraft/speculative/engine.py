@@ -210,7 +210,10 @@ class Engine:
         # Sliding layers may keep rings: no forward here writes more than a prefill chunk or a
         # verify, and no rollback reaches back further than the forward it undoes.
         reads = self.drafter.reads_window() if self.drafter is not None else None
-        self.cache = self.model.new_cache(rows + 1, capacity + spare, max(self.prefill_chunk, self.width + 1), reads)
+        # The scratch row serves swaps only, and one row is never swapped: at batch 1 the KV
+        # cache (400 MB at E2B's 32k tokens) is not doubled for it.
+        cache_rows = rows + 1 if rows > 1 else 1
+        self.cache = self.model.new_cache(cache_rows, capacity + spare, max(self.prefill_chunk, self.width + 1), reads)
         self.cache_bytes = self.cache.nbytes()  # reported after a batch, when the cache is gone
         self.tokens = torch.zeros(rows + 1, capacity + spare + self.width + 2, dtype=torch.long, device=dev)
         self.last = torch.zeros(rows + 1, dtype=torch.long, device=dev)

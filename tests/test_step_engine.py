@@ -133,6 +133,19 @@ def test_long_prompt_prefills_in_chunks_without_stalling(gemma_tiny, prompts) ->
     assert steps == -(-150 // 16)  # one chunk of the long prompt per step
 
 
+def test_generate_reports_the_prefill_as_it_goes(gemma_tiny) -> None:
+    """on_prefill(done, total): after steps that prefilled, counts rising to the total, reached once."""
+    long_prompts = prompts_of([150, 40], gemma_tiny.cfg.vocab_size, seed=10)
+    calls: list[tuple[int, int]] = []
+    engine = Engine(gemma_tiny.ours, None, None, max_batch_size=2, prefill_chunk=16)
+    out = engine.generate(long_prompts, 3, eos_token_ids=[], on_prefill=lambda d, t: calls.append((d, t)))
+    assert all(t == 190 for _, t in calls) and calls[-1] == (190, 190)
+    done = [d for d, _ in calls]
+    assert done == sorted(set(done)) and len(calls) >= 2
+    assert [r.token_ids for r in out] == [r.token_ids for r in Engine(gemma_tiny.ours).generate(
+        long_prompts, 3, eos_token_ids=[])]
+
+
 def test_abort_frees_the_row_and_others_continue(gemma_tiny, prompts) -> None:
     plain = Engine(gemma_tiny.ours)
     expected = [plain.generate([p], 20, eos_token_ids=[])[0].token_ids for p in prompts[:3]]

@@ -104,13 +104,14 @@ def run(args) -> int:
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
         ids = [rt.tokenizer.encode_prompt(p, chat) for p in batch]
-        for n in map(len, ids):
-            if n + args.max_new_tokens > rt.context:
+        for n in map(len, ids):  # (the engine checks the model's own context)
+            if n + args.max_new_tokens > rt.context < rt.config.max_position_embeddings:
                 raise SpecdraftError(f"prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds "
                                      f"{_context_limit(rt, args.max_context)}")
         on_tokens = _streamer(rt.tokenizer) if stream else None
         t0 = time.perf_counter()
-        results = engine.generate(ids, args.max_new_tokens, sampling, tuple(args.stop), on_tokens=on_tokens)
+        results = engine.generate(ids, args.max_new_tokens, sampling, tuple(args.stop), on_tokens=on_tokens,
+                                  on_prefill=_prefill_progress(sum(map(len, ids))))
         for j, (prompt, r) in enumerate(zip(batch, results)):
             all_stats.append(r.stats)
             if args.json:
@@ -126,10 +127,30 @@ def run(args) -> int:
     return 0
 
 
+LONG_PROMPT = 4096  # prompt tokens from which the prefill's progress is shown (tens of seconds at E2B size)
+
+
+def _prefill_progress(tokens: int):
+    """on_prefill for long prompts: a line on stderr every few seconds, and one when done."""
+    if tokens < LONG_PROMPT:
+        return None
+    t0, last = time.perf_counter(), [0.0]
+
+    def show(done: int, total: int) -> None:
+        now = time.perf_counter() - t0
+        if done < total and now - last[0] < 5:
+            return
+        last[0] = now
+        rate = done / now if now > 0 else 0.0
+        eta = f", ~{(total - done) / rate:.0f} s left" if done < total and rate > 0 else ""
+        print(f"specdraft: prefill {done:,} / {total:,} prompt tokens in {now:.0f} s ({rate:.0f} tok/s{eta})",
+              file=sys.stderr, flush=True)
+
+    return show
+
+
 def _context_limit(rt, asked: int | None) -> str:
-    """What bounds a request's positions, in the words that say how to change it."""
-    if rt.context == rt.config.max_position_embeddings:
-        return f"the model's context of {rt.context} tokens"
+    """--max-context, in the words that say how to change it."""
     if asked is None:
         return f"the default --max-context of {rt.context} tokens (raise it with --max-context)"
     return f"--max-context {rt.context}"

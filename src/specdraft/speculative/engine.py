@@ -163,8 +163,10 @@ class Engine:
         stop: tuple[str, ...] = (),
         eos_token_ids: list[int] | None = None,
         on_tokens: Callable[[int, list[int]], None] | None = None,
+        on_prefill: Callable[[int, int], None] | None = None,
     ) -> list[GenerationResult]:
-        """Generate for a batch of tokenized prompts. `on_tokens(row, ids)` streams new ids."""
+        """Generate for a batch of tokenized prompts. `on_tokens(row, ids)` streams new ids;
+        `on_prefill(done, total)` follows the prompts' prefill, after each step that ran some."""
         if self.has_work():
             raise SpecdraftError("generate() needs an idle engine (requests are being served)")
         self._check(prompts, max_new_tokens)
@@ -176,13 +178,21 @@ class Engine:
         for r in reqs:
             self.add(r, group)
         done: dict[int, GenerationResult] = {}
+        total = sum(len(p) for p in prompts)
         try:
             while self.has_work():
                 done.update((r.request_id, r) for r in self.step())
+                if on_prefill is not None and (left := self._prompt_tokens_left()) < total:
+                    on_prefill(total - left, total)
+                    on_prefill = None if left == 0 else on_prefill
         finally:
             # A batch's cache lives as long as the batch (and an error leaves nothing behind).
             self.cache, self.slots, self.waiting, self.n_dec = None, [], deque(), 0
         return [done[r.id] for r in reqs]
+
+    def _prompt_tokens_left(self) -> int:
+        rows = list(self.slots) + list(self.waiting)
+        return sum(len(r.req.prompt) - r.prefilled for r in rows)
 
     # --- checks -------------------------------------------------------------------------------
     def _check(self, prompts: list[list[int]], max_new_tokens: int) -> None:

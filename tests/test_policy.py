@@ -22,10 +22,11 @@ from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
 from specdraft.speculative.request import Request
 from specdraft.speculative.verify import HEAD_BLOCK, SAMPLED_HEAD_BLOCK
-from specdraft.speculative.acceptance import (LEARNING_RATE, POOL_RATE, POOL_RELAX, RELAX, SAMPLED_LEARNING_RATE,
+from specdraft.speculative.acceptance import (LEARNING_RATE, MISSES_BEFORE_BACKOFF, POOL_RATE, POOL_RELAX, RELAX, SAMPLED_LEARNING_RATE,
                                               SAMPLED_RELAX, STEADY_LEARNING_RATE, STEADY_RELAX, STEADY_SOURCES)
 from specdraft.speculative.costs import (MeasuredCosts, cost_key, cpu_identity, head_sizes, monotone, profiled_widths,
                                          row_buckets)
+from specdraft.speculative import acceptance
 from specdraft.speculative.policy import AdaptivePolicy, FixedPolicy
 from specdraft.speculative.profiling import by_confidence, first_rows
 
@@ -113,6 +114,53 @@ def test_acceptance_updates_move_the_choice():
         p.observe(row, "mtp", w, w)  # everything accepted
     assert p.choose([row]) == 4
     assert row.rates["mtp"][0] > 0.9
+
+
+def _drafting_rounds(p, row, rounds: int, accept) -> int:
+    """Rounds of `rounds` that drafted, where accept(width) gives each round's accepted count."""
+    drafted = 0
+    for _ in range(rounds):
+        w = p.choose([row])
+        if w == 0:
+            p.observe(row, None, 0, 0)
+            continue
+        drafted += 1
+        p.observe(row, "mtp", w, accept(w), requested=w)
+    return drafted
+
+
+def test_a_drafter_that_never_lands_is_probed_less_and_less(monkeypatch):
+    """Every first draft rejected: past MISSES_BEFORE_BACKOFF misses in a row the row re-probes
+    at a quarter of the steady rate; without the backoff it drafts about 2 rounds in 3."""
+    costs = FakeCosts(lambda n, w: {1: 1.0, 2: 1.07, 3: 1.16, 4: 1.24}.get(w, 1.45), lambda n, s: 0.02 * s)
+
+    def late_probes() -> int:
+        p = policy_for(costs, k=4)
+        row = p.new_row("mtp")
+        _drafting_rounds(p, row, 100, lambda w: 0)
+        return _drafting_rounds(p, row, 300, lambda w: 0)
+
+    backed_off = late_probes()
+    monkeypatch.setattr(acceptance, "MISSES_BEFORE_BACKOFF", 10**9)
+    assert 0 < backed_off <= 60 < 150 < late_probes()  # probed still, a quarter as often
+    monkeypatch.undo()
+    p = policy_for(costs, k=4)
+    row = p.new_row("mtp")
+    _drafting_rounds(p, row, 100, lambda w: 0)
+    assert row.misses["mtp"] >= MISSES_BEFORE_BACKOFF
+    # the next accepted draft ends the streak: the row learns and relaxes at the steady rates
+    w = max(1, p.choose([row]))
+    p.observe(row, "mtp", w, 1, requested=w)
+    assert row.misses["mtp"] == 0
+    assert p.estimates._learning(row, "mtp") == (STEADY_LEARNING_RATE, STEADY_RELAX)
+
+
+def test_a_drafter_accepted_half_the_time_keeps_drafting():
+    costs = FakeCosts(lambda n, w: {1: 1.0, 2: 1.07, 3: 1.16, 4: 1.24}.get(w, 1.45), lambda n, s: 0.02 * s)
+    p = policy_for(costs, k=4)
+    row = p.new_row("mtp")
+    outcomes = iter([1, 0] * 200)  # first draft accepted every other round
+    assert _drafting_rounds(p, row, 200, lambda w: min(w, next(outcomes))) == 200
 
 
 def test_only_judged_positions_learn():

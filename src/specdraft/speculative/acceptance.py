@@ -26,6 +26,14 @@ RELAX = 0.01  # per plain round: how far unobserved estimates move back towards 
 STEADY_LEARNING_RATE = 0.1
 STEADY_RELAX = 0.05
 STEADY_SOURCES = ("mtp", "draft")
+# A drafter whose first draft keeps failing (a mismatched or untrained one): from this many
+# rejected in a row on, a greedy row learns at LEARNING_RATE and each further miss halves how
+# fast its plain rounds drift back to the prior, down to a quarter (MAX_BACKOFF halvings), so it
+# re-probes less often instead of drafting two rounds in three at a loss. A drafter accepted 30%
+# of the time starts such a streak 1.4% of the time; its next accepted draft ends it
+# (BENCHMARKS.md, "A drafter that never lands").
+MISSES_BEFORE_BACKOFF = 12
+MAX_BACKOFF = 2
 # Sampling rows learn from each draft's acceptance chance, whose mean sits near break-even at
 # temperature 1: a short memory keeps dipping below it (BENCHMARKS.md, "Fused projections,
 # sampling-aware draft policy, long prompts").
@@ -56,6 +64,7 @@ class RowAcceptance:
         # this one is higher (see AcceptanceEstimates.expected).
         self.continues_accepted: dict[str, list[float]] = {}
         self.sampled = sampled  # its rounds report acceptance chances (temperature > 0)
+        self.misses: dict[str, int] = {}  # per source: first drafts rejected in a row
         self._seen: set[tuple[int, int]] = set()  # every bigram but the last
         self._last: tuple[int, ...] = ()
         if lookups:
@@ -184,6 +193,8 @@ class AcceptanceEstimates:
             pooled[j] += POOL_RATE * (hit - pooled[j])
         if requested is not None and requested < self.cap(source):  # else every position was asked
             self._relax_unasked(state, source, requested)
+        if drafted > 0:
+            state.misses[source] = 0 if accepted > 0 else state.misses.get(source, 0) + 1
 
     def _plain_round(self, state: RowAcceptance) -> None:
         """No evidence: drift back towards the priors so the row gets re-tried."""
@@ -220,5 +231,8 @@ class AcceptanceEstimates:
         if state.sampled:
             return SAMPLED_LEARNING_RATE, SAMPLED_RELAX
         if source in self.steady_sources:
+            streak = state.misses.get(source, 0) - MISSES_BEFORE_BACKOFF + 1
+            if streak > 0:
+                return LEARNING_RATE, STEADY_RELAX * 0.5 ** min(streak, MAX_BACKOFF)
             return STEADY_LEARNING_RATE, STEADY_RELAX
         return LEARNING_RATE, RELAX

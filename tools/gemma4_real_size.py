@@ -803,7 +803,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-gguf", action="store_true",
                    help="skip OUT/target.gguf (the whole 26b-a4b in bf16 alone is 50 GB)")
     args = p.parse_args(argv)
-    cfg = text_config(args.size, args.layers)
+    try:
+        cfg = text_config(args.size, args.layers)
+    except ValueError as e:
+        p.error(str(e))
     specs = target_tensors(cfg)
     # bf16 + Q8_0 (~0.53 of bf16) + assistant
     need = sum(s.nbytes for s in specs) * (1.0 if args.no_gguf else 1.55) + 0.3e9

@@ -171,3 +171,25 @@ def test_a_step_reads_the_routed_experts_only(folder: Path) -> None:
         skipped += stored * (n - layer.router.top_k) // n
         layer.router.top_k = n
     assert weight_bytes_per_step(model) == routed + skipped
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_q8_and_q4_load_streamed_for_decoders_that_fuse_projections(tiny_factory, family: str) -> None:
+    """Llama-style and Gemma 3 decoders fuse q/k/v and gate/up before packing; a streamed q8 / q4
+    load has compacted them one by one already, and they stay so (it used to fail on them). Each
+    output row is the same blocks' dot product either way, so the logits are those of the model
+    fused and compacted after loading up to float32 rounding (the fused one runs whole layers in
+    one C call), and drafting changes no token."""
+    from conftest import assert_fp32_close, reduction_depth
+
+    tiny = tiny_factory(family)
+    ids = torch.randint(3, 100, (1, 12), generator=torch.Generator().manual_seed(11))
+    for fmt in ("q8", "q4"):
+        streamed, fused = _load(tiny.folder, fmt, True), _load(tiny.folder, fmt, False)
+        assert type(streamed.layers[0].self_attn.q_proj) is q8_act_linear.Q8ActLinear
+        assert fused.layers[0].self_attn.qkv_proj is not None
+        assert_fp32_close(_logits(streamed, ids), _logits(fused, ids), reduction_depth(streamed.config))
+        plain = Engine(streamed).generate([ids[0].tolist()], max_new_tokens=8, eos_token_ids=[])
+        drafted = Engine(streamed, drafter=NgramDrafter(), draft_tokens=3).generate(
+            [ids[0].tolist()], max_new_tokens=8, eos_token_ids=[])
+        assert drafted[0].token_ids == plain[0].token_ids

@@ -52,9 +52,9 @@ class Attention(nn.Module):
         """Replace q_proj, k_proj and v_proj by one linear over their stacked weights. A packed
         kernel call has a fixed cost (~40 us here) on top of reading its weights; a decode step
         makes 18 x 3 of these calls for Gemma 3 270M."""
-        if self.qkv_proj is not None:  # already fused
+        parts = (self.q_proj, self.k_proj, self.v_proj) if self.qkv_proj is None else ()
+        if not parts or not all(type(p) is nn.Linear for p in parts):  # fused, or compacted while loading
             return
-        parts = (self.q_proj, self.k_proj, self.v_proj)
         self.qkv_proj = stack_linears(parts)
         self.qkv_split = [p.out_features for p in parts]
         del self.q_proj, self.k_proj, self.v_proj

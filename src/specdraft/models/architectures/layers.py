@@ -97,9 +97,10 @@ class GatedMLP(nn.Module):
 
     def fuse_projections(self) -> None:
         """gate_proj and up_proj as one linear (one kernel call instead of two)."""
-        if self.gate_up_proj is not None:  # already fused
+        parts = (self.gate_proj, self.up_proj) if self.gate_up_proj is None else ()
+        if not parts or not all(type(p) is nn.Linear for p in parts):  # fused, or compacted while loading
             return
-        self.gate_up_proj = stack_linears((self.gate_proj, self.up_proj))
+        self.gate_up_proj = stack_linears(parts)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -112,7 +112,8 @@ def test_compiled_step_logic_reads_the_ring_like_the_cache(pair):
     step = CompiledStep(model, announce=False)
     tokens = ids[:, 26:29]
     positions = twin.begin(3)
-    traced = step._run(tokens, positions, twin.span_end, twin.k, twin.v, tuple(twin.rings))
+    traced = step._run(tokens, positions, twin.span_end, twin.k, twin.v, tuple(twin.rings),
+                       tuple(sorted(twin.ring_of_window.items())))
     eager = model(tokens, cache)
     assert_fp32_close(traced, eager, reduction_depth(model.config))
     for a, b in zip(twin.k + twin.v, cache.k + cache.v):

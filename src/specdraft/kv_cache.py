@@ -126,17 +126,18 @@ class KVCache:
         k = [torch.zeros(batch_size, h, r or capacity, d, dtype=dtype, device=device)
              for (h, d), r in zip(layer_shapes, rings)]
         v = [torch.zeros_like(t) for t in k]
+        by_window = {w: r for w, r in zip(windows or [], rings) if r is not None}
         self._init(k, v, torch.zeros(batch_size, dtype=torch.long, device=device), [0] * batch_size, 0,
-                   capacity, rings, windows or [None] * len(layer_shapes), max_forward, [0] * batch_size)
+                   capacity, rings, by_window, max_forward, [0] * batch_size)
 
     def _init(self, k: list[torch.Tensor], v: list[torch.Tensor], lengths: torch.Tensor,
               host: list[int], offset: int, capacity: int, rings: list[int | None],
-              windows: list[int | None], max_forward: int | None, written: list[int]) -> None:
+              ring_of_window: dict[int, int], max_forward: int | None, written: list[int]) -> None:
         self.k, self.v = k, v
         self.batch_size, self.capacity = lengths.shape[0], capacity
         self.rings = rings  # per slot: ring size, or None (slot j holds position j)
-        self._ring_of_window = {w: r for w, r in zip(windows, rings) if r is not None}
-        self._windows, self.max_forward = windows, max_forward
+        self.ring_of_window = ring_of_window  # the same by sliding window (slots of one window share it)
+        self.max_forward = max_forward
         self.lengths = lengths  # [B] device; updated in place so row views stay in step
         self._host, self._offset = host, offset  # the host copy is shared with every view
         self._written = written  # per row: the furthest position end written since reset (shared too)
@@ -166,7 +167,7 @@ class KVCache:
         view = KVCache.__new__(KVCache)
         view._init([t[start:stop] for t in self.k], [t[start:stop] for t in self.v],
                    self.lengths[start:stop], self._host, self._offset + start, self.capacity, self.rings,
-                   self._windows, self.max_forward, self._written)
+                   self.ring_of_window, self.max_forward, self._written)
         return view
 
     def copy_row(self, src: int, dst: int) -> None:
@@ -191,7 +192,7 @@ class KVCache:
         lo, hi = min(host), max(host)
         if hi + num_tokens > self.capacity:
             raise ValueError(f"KV cache full: {hi} + {num_tokens} tokens exceed capacity {self.capacity}")
-        if self._ring_of_window and num_tokens > self.max_forward:
+        if self.ring_of_window and num_tokens > self.max_forward:
             raise ValueError(f"a forward of {num_tokens} tokens is wider than the rings allow ({self.max_forward})")
         # Equal lengths (batch 1, or a fresh batch) let writes use a plain slice.
         self._uniform_start = lo if lo == hi else None
@@ -209,7 +210,7 @@ class KVCache:
     def span(self, window: int | None) -> AttentionSpan:
         """Keys visible to the current forward's queries: causal, and within `window` if given."""
         min_len, hi = self._span_bounds
-        ring = self._ring_of_window.get(window)
+        ring = self.ring_of_window.get(window)
         if ring is not None:
             return ring_span(self.positions, self.positions[:, -1] + 1, ring, self.span_end, window)
         if self.positions.shape[1] > SHORT_FORWARD:
@@ -248,7 +249,7 @@ class KVCache:
         wanted = lengths.tolist() if isinstance(lengths, torch.Tensor) else list(lengths)
         if len(wanted) != self.batch_size:
             raise ValueError(f"rollback got {len(wanted)} lengths for {self.batch_size} rows")
-        if self._ring_of_window:
+        if self.ring_of_window:
             written = self._written[self._offset : self._offset + self.batch_size]
             if any(w - int(b) > self.max_forward for w, b in zip(written, wanted)):
                 raise ValueError(f"a rollback past {self.max_forward} tokens behind the furthest write "

@@ -51,7 +51,7 @@ class CompiledStep:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
         shape_class = (tokens.shape[0] == 1, tokens.shape[1] == 1)
         if shape_class in self._seen:
-            return self._step(tokens, positions, cache.span_end, cache.k, cache.v, tuple(cache.rings))
+            return self._step(tokens, positions, cache.span_end, cache.k, cache.v, *_ring_layout(cache))
         # A graph this process has not built yet: say so, and time it apart from generation.
         if self.announce:
             print(f"specdraft: compiling the {'decode' if shape_class[1] else 'verify'} step "
@@ -61,7 +61,7 @@ class CompiledStep:
         # Only a graph's first trace needs duck sizing off (see the top); later steps call the
         # graph as is (the patch costs tens of microseconds a call).
         with fx_config.patch(use_duck_shape=False):
-            out = self._step(tokens, positions, cache.span_end, cache.k, cache.v, tuple(cache.rings))
+            out = self._step(tokens, positions, cache.span_end, cache.k, cache.v, *_ring_layout(cache))
         self.compile_seconds += time.perf_counter() - t0
         self._seen.add(shape_class)
         return out
@@ -77,20 +77,17 @@ class CompiledStep:
         return time.perf_counter() - t0
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, end: int,
-             k: list[torch.Tensor], v: list[torch.Tensor], rings: tuple[int | None, ...]) -> torch.Tensor:
-        writes = IndexedWrites(k, v, positions, rings)
-        return self.model.run_layers(tokens, positions, writes, self._spans(positions, end, rings))
+             k: list[torch.Tensor], v: list[torch.Tensor], rings: tuple[int | None, ...],
+             ring_of_window: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        by_window, ends = dict(ring_of_window), positions[:, -1] + 1
+        spans = {t: attention_span(positions, 0, end, w) if w not in by_window else
+                 ring_span(positions, ends, by_window[w], end, w) for t, w in self.model.windows.items()}
+        return self.model.run_layers(tokens, positions, IndexedWrites(k, v, positions, rings), spans)
 
-    def _spans(self, positions: torch.Tensor, end: int, rings: tuple[int | None, ...]) -> dict:
-        """Key spans per layer type; a sliding type whose slots keep a ring reads the ring."""
-        ring_of = {}
-        for i in self.model.kv_layers():
-            t = self.model.config.layer_types[i]
-            if rings and rings[self.model.cache_slot(i)] is not None:
-                ring_of[t] = rings[self.model.cache_slot(i)]
-        ends = positions[:, -1] + 1
-        return {t: attention_span(positions, 0, end, w) if t not in ring_of else
-                ring_span(positions, ends, ring_of[t], end, w) for t, w in self.model.windows.items()}
+
+def _ring_layout(cache: KVCache) -> tuple[tuple[int | None, ...], tuple[tuple[int, int], ...]]:
+    """The cache's rings per slot and per window, as constants the compiled graph guards on."""
+    return tuple(cache.rings), tuple(sorted(cache.ring_of_window.items()))
 
 
 def compile_steps(model: torch.nn.Module, announce: bool = True) -> CompiledStep:

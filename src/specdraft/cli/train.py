@@ -248,7 +248,9 @@ def run_train(args) -> int:
     from specdraft.training.pipeline import train_drafter
     from specdraft.training.trainer import init_distributed
 
-    if (args.out / "checkpoint" / "state.json").exists() and not args.resume:
+    # checkpoint.prev: a run killed while swapping checkpoints (training/durable.py) has it alone.
+    if any((args.out / name / "state.json").exists() for name in ("checkpoint", "checkpoint.prev")) \
+            and not args.resume:
         raise SpecdraftError(f"{args.out} already has a training checkpoint; pass --resume to continue it "
                              "or choose another --out")
     _check_train_args(args)

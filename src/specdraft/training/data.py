@@ -3,13 +3,15 @@ over each answer records what the drafter trains on.
 
 Per token of every sequence (prompt + answer) a shard stores the target's final-normed hidden
 state, the K/V of the target layers drafters read, and for answer positions the target's top-k
-next-token log-probabilities, all recorded while the target generates (no second pass). Shards are safetensors files written one by one, so an
-interrupted run resumes at the first missing shard.
+next-token log-probabilities, all recorded while the target generates (no second pass). Shards are safetensors files written one by one, each
+atomically and listed in the folder's manifest, so an interrupted run resumes at the first
+missing shard and never trusts a shard cut short.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from tqdm import tqdm
 from specdraft.config import FULL, SLIDING
 from specdraft.drafters.mtp.source import kv_source
 from specdraft.models.kernels.sample_rows import draw_tokens
+from specdraft.training import durable
 from specdraft.training.labels import top_log_probs
 from specdraft.training.prompts import BASE_TEMPLATE, format_prompt
 
@@ -161,32 +164,76 @@ def build_dataset(rt, prompts: list[str], out_dir: Path, cfg: DataConfig, desc: 
 
 def write_shards(out_dir: Path, meta: dict, items: list, per_shard: int, records_for, slots: list[int], desc: str,
                  unit: str) -> list[Path]:
-    """Shard i holds records_for(i, items[i * per_shard : ...]). Shards already on disk are kept,
-    so an interrupted run resumes at the first missing one; `meta` (the settings) must match the
-    folder's, though the number of items may grow (more items = more shards)."""
+    """Shard i holds records_for(i, items[i * per_shard : ...]). Shards already on disk that the
+    folder's manifest vouches for are kept, so an interrupted run resumes at the first missing
+    one; `meta` (the settings) must match the folder's, though the number of items may grow (more
+    items = more shards). Each shard is written atomically (durable.py) and added to the manifest
+    after it is on disk; a shard the manifest does not vouch for (cut short, changed, or written
+    and never listed) is deleted and made again."""
     out_dir.mkdir(parents=True, exist_ok=True)
     meta_path = out_dir / "data.json"
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
         if old != json.loads(json.dumps(meta)):
             raise_mismatch(meta_path, old, meta)
-    meta_path.write_text(json.dumps(meta, indent=2))
+    durable.write_text_atomic(meta_path, json.dumps(meta, indent=2))
+    entries = verified_shards(out_dir)
     shards = []
     n_shards = (len(items) + per_shard - 1) // per_shard
     with tqdm(total=len(items), desc=desc, unit=unit) as bar:
         for shard in range(n_shards):
             path = out_dir / f"shard-{shard:05d}.safetensors"
             chunk = items[shard * per_shard : (shard + 1) * per_shard]
-            if not path.exists():
+            if path.name not in entries:
                 records = records_for(shard, chunk)
+                durable.kill_point("data-shard")
                 if records:
-                    tmp = path.with_suffix(".tmp")
-                    save_file(shard_features(records), str(tmp), metadata={"slots": json.dumps(slots)})
-                    tmp.rename(path)
+                    durable.write_atomic(path, lambda tmp: save_file(shard_features(records), str(tmp),
+                                                                     metadata={"slots": json.dumps(slots)}))
+                    entries[path.name] = durable.digest(path)
+                    durable.write_manifest(out_dir, entries)
             if path.exists():
                 shards.append(path)
             bar.update(len(chunk))
     return shards
+
+
+def verified_shards(out_dir: Path, log=None) -> dict[str, dict]:
+    """The folder's shards that check out against its manifest ({name: digest}); every other
+    shard file (and any temporary file a kill left) is removed. A folder written before manifests
+    existed (no manifest at all) has each shard's safetensors header checked against the file's
+    size instead, and gets a manifest."""
+    log = log or (lambda m: print(m, file=sys.stderr))
+    for tmp in out_dir.glob("*.tmp"):
+        tmp.unlink()
+    listed = durable.read_manifest(out_dir)
+    legacy = listed is None and not (out_dir / durable.MANIFEST).exists()
+    entries = {}
+    for path in sorted(out_dir.glob("shard-*.safetensors")):
+        if legacy and _opens(path):
+            entries[path.name] = durable.digest(path)
+            continue
+        want = (listed or {}).get(path.name)
+        if want is not None and path.stat().st_size == want.get("bytes") \
+                and durable.digest(path)["sha256"] == want.get("sha256"):
+            entries[path.name] = want
+            continue
+        log(f"{path} is incomplete or corrupt (not in the manifest, or not matching it): made again")
+        path.unlink()
+    if legacy or listed != entries:
+        durable.write_manifest(out_dir, entries)
+    return entries
+
+
+def _opens(path: Path) -> bool:
+    """Whether a safetensors file's header parses and its tensors fit the file (a cut file fails)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                f.get_slice(key)
+        return True
+    except Exception:  # any failure to read is a file not to trust  # noqa: BLE001
+        return False
 
 
 def raise_mismatch(path: Path, old: dict, new: dict) -> None:

@@ -109,9 +109,16 @@ def _recorded_elsewhere(folders: list[Path]) -> list:
     """The answers --data-from folders recorded (checked by check_recorded)."""
     from specdraft.training.data import load_sequences
 
+    from specdraft.training import durable
+
     seqs = []
     for folder in folders:
-        shards = sorted((folder / "data" / "train").glob("shard-*.safetensors"))
+        recorded = folder / "data" / "train"
+        # Another run's answers are read, never remade here: a shard its manifest does not vouch for is refused.
+        problem = durable.manifest_problem(recorded) if (recorded / durable.MANIFEST).exists() else None
+        if problem:
+            raise SpecdraftError(f"--data-from {folder}: {problem}; rerun that run's command to remake it")
+        shards = sorted(recorded.glob("shard-*.safetensors"))
         seqs += load_sequences(shards)
         print(f"--data-from {folder}: {len(shards)} shards, {len(seqs)} answers so far", file=sys.stderr)
     return seqs
@@ -185,18 +192,21 @@ def _describe(cfg: MTPConfig) -> str:
 def train_drafter(rt, args, started: float) -> int:
     """Check the flags against the target, record the target's answers, train, export.
     `started`: when the command began (the recipe records the seconds spent)."""
-    from specdraft.training import data
+    from specdraft.training import data, durable
     from specdraft.training.trainer import TrainConfig, Trainer, barrier, is_first_rank
 
     check_context(rt, args)
     check_recorded(rt, args.data_from)
     init_from = _init_folder(rt, args)
-    resuming = (args.out / "checkpoint" / "state.json").exists()
+    # After a kill: the newest complete checkpoint, verified against its manifest (durable.py).
+    resuming = is_first_rank() and durable.recover_dir(args.out / "checkpoint", lambda m: print(m, file=sys.stderr))
+    resuming = resuming or (args.out / "checkpoint" / "state.json").exists()
     drafter_cfg = _shape(rt, args, resuming, init_from)
     prompts, held, corpus = _prompts(rt, args)
     print(_describe(drafter_cfg) + (" (from the checkpoint)" if resuming else ""), file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "held_out_prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in held))
+    durable.write_text_atomic(args.out / "held_out_prompts.jsonl",
+                              "".join(json.dumps({"prompt": p}) + "\n" for p in held))
     if is_first_rank():
         _record(rt, args, prompts.train, held, corpus)
     if args.data_only:

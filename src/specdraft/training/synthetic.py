@@ -12,6 +12,7 @@ prompts.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +99,8 @@ def synthesize_prompts(rt, seeds: list[str], count: int, path: Path, cfg: Synthe
             new = new[: count - len(have)]
             out.write("".join(json.dumps({"prompt": p, "batch": batch}) + "\n" for p in new))
             out.write(json.dumps({"batch_done": batch}) + "\n")
+            out.flush()  # the batch's lines reach the disk before a later batch is begun
+            os.fsync(out.fileno())
             out.flush()
             have += new
             bar.update(len(new))

@@ -2,7 +2,9 @@
 hardware has bf16 units, periodic held-out acceptance, checkpoints and exact resume, and DDP
 under torchrun (a single process on CPU otherwise).
 
-Checkpoints hold no pickle: weights and optimizer moments are safetensors, the rest JSON.
+Checkpoints hold no pickle: weights and optimizer moments are safetensors, the rest JSON. They
+are written crash-safe (durable.py): sealed with a manifest, swapped in by renames, verified on
+resume.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import math
 import os
 import random
+import shutil
 import time
 from collections import Counter
 from contextlib import nullcontext
@@ -28,6 +31,7 @@ from specdraft.drafters.mtp.checkpoint import kv_sources, load_network, read_dra
 from specdraft.drafters.mtp.config import MTPConfig
 from specdraft.drafters.mtp.drafter import MTPDrafter
 from specdraft.errors import SpecdraftError
+from specdraft.training import durable
 from specdraft.training.clustering import balanced_clusters, cluster_of
 from specdraft.training.data import Sequence
 from specdraft.training.evaluate import teacher_forced_acceptance
@@ -116,7 +120,10 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.ckpt = out_dir / "checkpoint"
-        resume = (self.ckpt / "state.json").exists()
+        # After a kill: the newest complete checkpoint (and best) found again, a corrupt one dropped.
+        resume = self.rank == 0 and durable.recover_dir(self.ckpt, log) or (self.ckpt / "state.json").exists()
+        if self.rank == 0:
+            durable.recover_dir(self.best_dir, log)
         if resume:
             drafter_cfg = read_drafter_config(self.ckpt)
         self.sources = kv_sources(drafter_cfg, self.target)
@@ -194,10 +201,17 @@ class Trainer:
 
     # --- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self) -> None:
+        """Weights, optimizer moments, shortlist and state into OUT/checkpoint.tmp, each file
+        fsynced and listed with its size and SHA-256 in the folder's manifest, then swapped in by
+        renames (durable.replace_dir): a kill at any point leaves a complete checkpoint, the new
+        or the previous one."""
         if self.rank != 0:
             return
         tmp = self.ckpt.with_name("checkpoint.tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
         save_network(self.net, tmp)
+        durable.kill_point("checkpoint-write")
         moments = {}
         names = {id(p): n for n, p in self.net.named_parameters()}
         for group in self.opt.param_groups:
@@ -212,11 +226,8 @@ class Trainer:
         (tmp / "state.json").write_text(json.dumps({"step": self.step, "history": self.history,
                                                     "train_config": asdict(self.cfg),
                                                     "new_blocks": self.new_blocks}, indent=1))
-        if self.ckpt.exists():
-            for f in self.ckpt.iterdir():
-                f.unlink()
-            self.ckpt.rmdir()
-        tmp.rename(self.ckpt)
+        durable.seal_dir(tmp)
+        durable.replace_dir(tmp, self.ckpt)
 
     def _load_checkpoint(self) -> None:
         state = json.loads((self.ckpt / "state.json").read_text())
@@ -265,6 +276,7 @@ class Trainer:
                 loss, metrics = self.loss_fn(batch)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
+            durable.kill_point("train-step")
             torch.nn.utils.clip_grad_norm_(self.net.parameters(), cfg.grad_clip)
             self.opt.step()
             self.step += 1
@@ -294,13 +306,12 @@ class Trainer:
     def _keep_if_best(self) -> None:
         if self.rank == 0 and self.best_step() == self.step:
             tmp = self.best_dir.with_name("best.tmp")
+            if tmp.exists():
+                shutil.rmtree(tmp)
             save_network(self.net, tmp)
             (tmp / "step.json").write_text(json.dumps({"step": self.step}))
-            if self.best_dir.exists():
-                for f in self.best_dir.iterdir():
-                    f.unlink()
-                self.best_dir.rmdir()
-            tmp.rename(self.best_dir)
+            durable.seal_dir(tmp)
+            durable.replace_dir(tmp, self.best_dir)
 
     @torch.no_grad()
     def evaluate(self, max_sequences: int = 64) -> dict:
@@ -327,8 +338,18 @@ class Trainer:
         export = MTPNetwork(self.net.config)
         export.load_state_dict(state)
         export.to(torch.bfloat16)  # token_ordering stays int64: .to(dtype) only casts floating tensors
-        save_network(export, folder)
-        (folder / "training.json").write_text(json.dumps({**recipe, "history": self.history}, indent=1) + "\n")
+        # Into a sealed folder first, then each file renamed into place: a kill leaves the
+        # earlier export's files or the new ones, each whole.
+        staged = folder / "export.tmp"
+        if staged.exists():
+            shutil.rmtree(staged)
+        save_network(export, staged)
+        (staged / "training.json").write_text(json.dumps({**recipe, "history": self.history}, indent=1) + "\n")
+        durable.seal_dir(staged)
+        for name in ("config.json", "model.safetensors", "training.json"):
+            os.replace(staged / name, folder / name)
+        durable.fsync_dir(folder)
+        shutil.rmtree(staged)
         return next((h for h in self.history if h["step"] == exported), {})
 
 

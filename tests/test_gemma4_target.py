@@ -30,6 +30,7 @@ from specdraft.config import FULL, SLIDING, ConfigError  # noqa: E402
 from specdraft.drafters.mtp.source import kv_source  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 from specdraft.loading import load_folder  # noqa: E402
+from specdraft.models.architectures.gemma4_config import gemma4_params  # noqa: E402
 from specdraft.models.architectures.hf_config import read_model_config  # noqa: E402
 from specdraft.speculative.engine import Engine  # noqa: E402
 
@@ -149,6 +150,25 @@ def test_google_config_spelling_and_extra_shared_kv_tensors(tmp_path_factory):
     with torch.no_grad():
         expected = ref(ids).logits
     assert_fp32_close(_ours(model, ids), expected, reduction_depth(model.config))
+
+
+def test_full_layers_shaped_like_sliding_ones(tmp_path_factory):
+    """Full layers with the sliding layers' head_dim and KV heads: transformers saves an empty
+    per_layer_config, which means those shapes (not global_head_dim's default of 512)."""
+    shapes = dict(head_dim=32, global_head_dim=32, num_key_value_heads=1, num_global_key_value_heads=1)
+    ref = randomize_(transformers.Gemma4ForCausalLM(target_text_config(**shapes)), seed=8)
+    folder = _save(tmp_path_factory, "same_shapes", ref)
+    assert json.loads((folder / "config.json").read_text())["per_layer_config"] == {}
+    model, _, _ = load_folder(folder, torch.float32, "cpu")
+    assert model.params.head_dim == {SLIDING: 32, FULL: 32}
+    ids = torch.randint(3, 250, (1, 12), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = ref(ids).logits
+    assert_fp32_close(_ours(model, ids), expected, reduction_depth(model.config))
+    # Without the key, the full layers take global_head_dim's default, as transformers reads it.
+    raw = json.loads((folder / "config.json").read_text())
+    raw.pop("per_layer_config")
+    assert gemma4_params(read_model_config(raw)).head_dim[FULL] == 512
 
 
 @pytest.mark.parametrize("change, message", [

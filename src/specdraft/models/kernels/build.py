@@ -54,6 +54,8 @@ SIGNATURES = {  # name: argument types (every kernel returns nothing)
     "decoder_layer": [_PTR] * 5 + [_INT],
     "decoder_stack": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT],
     "draft_step": [_PTR, _PTR, _PTR, _I64] + [_PTR] * 7 + [_INT],
+    "gemma4_stack": [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT],
+    "gemma4_timers": [_INT, _PTR],
 }
 
 
@@ -111,6 +113,8 @@ def library_for(avx512: bool) -> ctypes.CDLL:
         fn.argtypes, fn.restype = argtypes, None
     lib.decoder_layer_scratch.argtypes, lib.decoder_layer_scratch.restype = [_PTR, _I64, _I64], _I64
     lib.decoder_stack_scratch.argtypes, lib.decoder_stack_scratch.restype = [_PTR, _PTR, _I64], _I64
+    lib.gemma4_stack_scratch.argtypes, lib.gemma4_stack_scratch.restype = [_PTR, _PTR, _I64], _I64
+    lib.omp_region_seconds.argtypes, lib.omp_region_seconds.restype = [_INT, _INT], ctypes.c_double
     lib.draft_step_scratch.argtypes, lib.draft_step_scratch.restype = [_PTR, _PTR, _PTR, _I64], _I64
     lib.attend_work.argtypes, lib.attend_work.restype = [_I64] * 5, _I64
     lib.specdraft_avx512 = avx512

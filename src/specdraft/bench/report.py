@@ -194,7 +194,10 @@ def markdown(payload: dict) -> str:
         f"- prompt format: {prompt}",
         f"- generation: max {cfg['max_new_tokens']} new tokens, "
         + ("EOS ignored (every row generates them all), " if cfg.get("ignore_eos") else "stop at EOS only, ")
-        + ("greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']}, seed {cfg['seed']}")
+        + ("greedy" if cfg["temperature"] == 0 else f"temperature {cfg['temperature']}"
+                                             + (f", top-k {cfg['top_k']}" if cfg.get("top_k") else "")
+                                             + (f", top-p {cfg['top_p']}" if cfg.get("top_p", 1.0) < 1 else "")
+                                             + f", seed {cfg['seed']}")
         + f", {cfg['repeats']} repeat(s), one warm-up generation per method and batch size",
         f"- run: {payload['created']}, {payload['elapsed_seconds']:.0f} s",
         *_bandwidth_line(payload),

@@ -45,6 +45,8 @@ class BenchConfig:
     gguf: str | None = None
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     temperature: float = 0.0
+    top_k: int = 0  # with temperature > 0: keep the k likeliest tokens (0 = off)
+    top_p: float = 1.0  # with temperature > 0: the smallest set of tokens holding this mass
     seed: int = 0
     max_new_tokens: int = 128
     ignore_eos: bool = False  # every row generates max_new_tokens: sampled methods then compare like for like
@@ -277,7 +279,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     cfg.check()
     questions = select(read_questions(cfg.questions), cfg.categories, cfg.limit_per_category)
     names = list(dict.fromkeys([REFERENCE] + list(cfg.methods)))  # plain is the yardstick: always run
-    sampling = SamplingParams(cfg.temperature, 0, 1.0, cfg.seed)
+    sampling = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed)
     set_threads(cfg.threads)  # llama.cpp reads the same number (peers.py)
 
     rss0 = memory.rss_bytes()

@@ -81,6 +81,10 @@ prompt format: the model's chat template when it has one, else the plain templat
     p.add_argument("--batch-sizes", type=int_list, default=[1], help="comma-separated, e.g. 1,4,8 (default 1)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default; identical-output rate is only meaningful then)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="with --temperature > 0: sample among the k likeliest tokens (default 0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="with --temperature > 0: sample from the smallest set holding this mass (default 1)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed when --temperature > 0 (default 0)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt, at most (default 128)")
     p.add_argument("--ignore-eos", action="store_true",
@@ -131,7 +135,7 @@ def run(args) -> int:
         questions=args.questions, model=args.model, categories=args.categories,
         limit_per_category=args.limit_per_category, methods=args.methods, drafter_path=args.drafter_path,
         draft_model=args.draft_model, draft_tokens=args.draft_tokens, gguf=args.gguf,
-        batch_sizes=args.batch_sizes, temperature=args.temperature, seed=args.seed,
+        batch_sizes=args.batch_sizes, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, repeats=args.repeats, dtype=args.dtype,
         device=args.device,
         threads=args.threads, weights=args.weights, prefill_dtype=args.prefill_dtype, compile=args.compile, out=args.out, progress=not args.no_progress, plots=not args.no_plots,

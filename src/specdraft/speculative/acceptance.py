@@ -52,7 +52,7 @@ class RowAcceptance:
     drafts will be a prompt lookup: the lookup drafter proposes where the sequence's last 2 tokens
     occurred before, which the host can tell from the tokens it already holds (no device sync)."""
 
-    def __init__(self, source: str, lookups: bool, prompt: list[int] = (), sampled: bool = False):
+    def __init__(self, source: str, lookups: bool, prompt: list[int] = (), sampled: bool | tuple = False):
         self.source, self.lookups = source, lookups  # lookups: the drafter mixes them in (mtp+ngram)
         self.rates: dict[str, list[float]] = {}
         # Per source, position j: the chance the drafter proposes draft j + 2 once it proposed draft
@@ -63,7 +63,12 @@ class RowAcceptance:
         # on. The drafter carries on where it is sure, which is where its drafts are accepted, so
         # this one is higher (see AcceptanceEstimates.expected).
         self.continues_accepted: dict[str, list[float]] = {}
-        self.sampled = sampled  # its rounds report acceptance chances (temperature > 0)
+        self.sampled = bool(sampled)  # its rounds report acceptance chances (temperature > 0)
+        # Which engine-wide pool it starts from and drifts to: False (greedy), or the request's
+        # (temperature, top-k, top-p) when known (True otherwise). A drafter's sampled acceptance
+        # depends on the shaping (on gemma3-270m, first drafts: 47% at temperature 1, BENCHMARKS.md),
+        # so a server mixing temperatures keeps one pool per shaping, not one for them all.
+        self.pool_key: bool | tuple = sampled if isinstance(sampled, tuple) else self.sampled
         self.misses: dict[str, int] = {}  # per source: first drafts rejected in a row
         self._seen: set[tuple[int, int]] = set()  # every bigram but the last
         self._last: tuple[int, ...] = ()
@@ -90,9 +95,9 @@ class AcceptanceEstimates:
                  steady_sources: tuple[str, ...] = STEADY_SOURCES):
         self.prior, self.steady_sources = dict(prior or PRIOR), steady_sources
         self.k = self.width = 0
-        # Per source and kind of request (greedy, sampled: a drafter's sampled drafts are accepted
-        # far less often), every request's outcomes pooled.
-        self.pooled: dict[tuple[str, bool], list[float]] = {}
+        # Per source and kind of request (greedy; sampled, per shaping: a drafter's sampled drafts
+        # are accepted far less often, and less the hotter), every request's outcomes pooled.
+        self.pooled: dict[tuple[str, bool | tuple], list[float]] = {}
         self.pooled_continues: dict[str, list[float]] = {}  # the same for continuation (prior: always)
         self.pooled_continues_accepted: dict[str, list[float]] = {}
 
@@ -106,7 +111,7 @@ class AcceptanceEstimates:
         values = list(prior) if isinstance(prior, (tuple, list)) else [prior]
         return [values[min(j, len(values) - 1)] for j in range(size)]
 
-    def _start(self, source: str, sampled: bool) -> list[float]:
+    def _start(self, source: str, sampled: bool | tuple) -> list[float]:
         key = (source, sampled)
         if key not in self.pooled or len(self.pooled[key]) != self.cap(source):
             self.pooled[key] = self.priors(source, self.cap(source))
@@ -114,7 +119,7 @@ class AcceptanceEstimates:
 
     def _rates(self, state: RowAcceptance, source: str) -> list[float]:
         if source not in state.rates:
-            state.rates[source] = list(self._start(source, state.sampled))
+            state.rates[source] = list(self._start(source, state.pool_key))
         return state.rates[source]
 
     def _relax_target(self, state: RowAcceptance, source: str) -> list[float]:
@@ -127,7 +132,7 @@ class AcceptanceEstimates:
         re-probe from the prior."""
         size = len(state.rates[source])
         if state.sampled and source in self.steady_sources:
-            return self._start(source, True)[:size]
+            return self._start(source, state.pool_key)[:size]
         return self.priors(source, size)
 
     def _start_continues(self, source: str, accepted: bool = False) -> list[float]:
@@ -177,9 +182,10 @@ class AcceptanceEstimates:
                     hit = 1.0 if i + 1 < drafted else 0.0
                     cont[i] += LEARNING_RATE * (hit - cont[i])
                     pooled[i] += POOL_RATE * (hit - pooled[i])
-        state.sampled |= chances is not None
+        if chances is not None and not state.sampled:
+            state.sampled = state.pool_key = True
         rate = self._learning(state, source)[0]
-        rates, pooled = self._rates(state, source), self._start(source, state.sampled)
+        rates, pooled = self._rates(state, source), self._start(source, state.pool_key)
         # Draft j was judged only if drafts 1..j-1 were accepted: positions 1..accepted passed,
         # position accepted+1 failed (a lookup without a match counts as a failed first draft);
         # later ones say nothing. When sampling, a judged draft counts with the chance it had
@@ -202,7 +208,7 @@ class AcceptanceEstimates:
             relax = self._learning(state, src)[1]
             rates[:] = [r + relax * (p - r) for r, p in zip(rates, self._relax_target(state, src))]
             if state.sampled and src in self.steady_sources:  # the pool it drifts to must not lock in
-                pool = self._start(src, True)
+                pool = self._start(src, state.pool_key)
                 pool[:] = [q + POOL_RELAX * (p - q) for q, p in zip(pool, self.priors(src, len(pool)))]
         for src, cont in [*state.continues.items(), *state.continues_accepted.items()]:
             relax = self._learning(state, src)[1]
@@ -216,7 +222,7 @@ class AcceptanceEstimates:
         a run")."""
         relax = self._learning(state, source)[1]
         rates, target = self._rates(state, source), self._relax_target(state, source)
-        pooled, prior = self._start(source, state.sampled), self.priors(source, self.cap(source))
+        pooled, prior = self._start(source, state.pool_key), self.priors(source, self.cap(source))
         for j in range(asked, len(rates)):
             rates[j] += relax * (target[j] - rates[j])
             pooled[j] += POOL_RELAX * (prior[j] - pooled[j])

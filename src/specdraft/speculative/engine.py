@@ -94,7 +94,7 @@ class Engine:
         stops = StopChecker(self._decode, req.stop) if req.stop and self.tokenizer is not None else None
         self.waiting.append(ActiveRow(req, group, eos, stops, self.width, self.timer.totals,
                                  self.policy.new_row(self._source(False), self._mixes_lookups, req.prompt,
-                                                     not group.params.greedy)))
+                                                     not group.params.greedy and group.params.shaping)))
 
     @torch.inference_mode()
     def abort(self, request_id: int) -> GenerationResult | None:

@@ -38,11 +38,12 @@ class DraftPolicy:
     def prepare(self, model: torch.nn.Module, drafter: Drafter | None, rows: int, k: int, width: int) -> None:
         """Called before a batch of up to `rows` rows starts (before the drafter's own prepare)."""
 
-    def new_row(self, source: str, lookups: bool = False, prompt: list[int] = (), sampled: bool = False
+    def new_row(self, source: str, lookups: bool = False, prompt: list[int] = (), sampled: bool | tuple = False
                 ) -> RowAcceptance | None:
         """Per-request state, kept by the engine with the request. `source`: where the drafter's
         own drafts come from ("mtp", "lookup", "draft"); `lookups`: it also proposes prompt lookups;
-        `sampled`: the request samples (temperature > 0)."""
+        `sampled`: the request samples (temperature > 0): True, or its (temperature, top-k,
+        top-p), which then keeps a pool of its own."""
         return None
 
     def extend(self, state, tokens: list[int]) -> None:
@@ -88,8 +89,9 @@ class AdaptivePolicy(DraftPolicy):
         return self.estimates.prior
 
     @property
-    def pooled(self) -> dict[tuple[str, bool], list[float]]:
-        """Every request's outcomes pooled, per (source, sampled): where a new request starts."""
+    def pooled(self) -> dict[tuple[str, bool | tuple], list[float]]:
+        """Every request's outcomes pooled, per (source, greedy or the sampling's shaping): where a
+        new request starts."""
         return self.estimates.pooled
 
     @property
@@ -105,8 +107,9 @@ class AdaptivePolicy(DraftPolicy):
         if drafter is not None:
             self.costs.ensure(model, drafter, rows, k, width)
 
-    def new_row(self, source: str, lookups: bool = False, prompt: list[int] = (), sampled: bool = False
+    def new_row(self, source: str, lookups: bool = False, prompt: list[int] = (), sampled: bool | tuple = False
                 ) -> RowAcceptance:
+        """`sampled`: False (greedy), or the request's SamplingParams.shaping: its pool."""
         return RowAcceptance(source, lookups, prompt, sampled)
 
     def extend(self, state: RowAcceptance | None, tokens: list[int]) -> None:

@@ -130,3 +130,20 @@ def test_the_avx2_build_gives_the_avx512_build_bits(folder: Path, monkeypatch) -
         outs.append(torch.cat(_steps(model, PROMPT, NEW, [1, 4]), dim=1))
         assert model._fused._built[1] is not None
     assert torch.equal(outs[0], outs[1])
+
+
+def test_the_breakdown_times_each_op_class_only_when_asked(folder: Path) -> None:
+    from specdraft.bench.breakdown import step_breakdown
+    from specdraft.models.kernels.gemma4_layer import TIMED_OPS, read_timers
+
+    model = _load(folder, "q8")
+    read_timers(False)
+    _steps(model, PROMPT, NEW, [1])
+    assert not any(read_timers(True).values())  # off: nothing counted
+    _steps(model, PROMPT, NEW, [1])
+    spent = read_timers(False)
+    assert all(spent[name] > 0 for name in TIMED_OPS)
+    parts = step_breakdown(model, context=24, repeats=3)
+    names = [p.name for p in parts]
+    assert names[0].startswith("whole forward") and any("MLP matrices" in n for n in names)
+    assert next(p for p in parts if "MLP matrices" in p.name).nbytes > 0

@@ -106,7 +106,8 @@ def step_breakdown(model: torch.nn.Module, context: int = 512, repeats: int = 15
 
 def omp_regions_note(model: torch.nn.Module) -> str:
     """How much of the matrices' time is OpenMP's fork/join: regions a step opens x one's cost."""
-    if getattr(model, "_fused", None) is None:
+    fused = getattr(model, "_fused", None)
+    if fused is None or fused._built is None or fused._built[1] is None:  # not the fused Gemma 4 layers
         return ""
     per_layer = [2 + (0 if layer.self_attn.shared else 2) + 3 + (2 if layer.ple else 0) for layer in model.layers]
     seconds = gemma4_layer.omp_region_seconds(torch.get_num_threads())

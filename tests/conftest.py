@@ -28,6 +28,14 @@ os.environ["SPECDRAFT_THREADS"] = "1"  # the CLI's --threads default, for comman
 FP32 = torch.float32
 
 
+@pytest.fixture
+def float32_kv(monkeypatch):
+    """A float32 KV cache (Gemma 4 stores float16 by default, kv_cache.kv_storage_dtype): for
+    tests of float32 parity with transformers, whose bound counts summation order only
+    (test_kv_half.py checks the float16 cache against its own bound)."""
+    monkeypatch.setenv("SPECDRAFT_KV_DTYPE", "float32")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _costs_out_of_the_user_cache(tmp_path_factory):
     """The adaptive draft policy's measured step costs go to a temp dir of the test run, not

@@ -61,6 +61,7 @@ def _assistant(target_ref, tmp_path_factory, name: str, **overrides):
     return ref, folder
 
 
+@pytest.mark.usefixtures("float32_kv")  # float32 parity: summation order only
 @pytest.mark.parametrize("clustered", [True, False], ids=["clustered", "dense"])
 def test_drafter_matches_transformers_assistant(target, clustered, tmp_path_factory):
     ref_t, model = target
@@ -69,6 +70,7 @@ def test_drafter_matches_transformers_assistant(target, clustered, tmp_path_fact
     compare_drafts(ref_t, model, ref_a, drafter, ref_t.config.sliding_window, clustered)
 
 
+@pytest.mark.usefixtures("float32_kv")  # float32 parity: summation order only
 def test_assistant_uses_its_own_window_and_rope(target, tmp_path_factory):
     """An assistant whose config states another sliding window and other RoPE thetas than its
     target's queries with its own, as transformers' assistant does (the target's would give

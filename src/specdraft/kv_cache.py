@@ -14,6 +14,12 @@ window, so it stays masked. Keys sit in ring order; masks come from the position
 (`ring_positions`). Without rings, sliding layers keep every position and attention reads only
 the last `window` keys.
 
+K and V may be stored in float16 while the model computes in float32 (`kv_storage_dtype`): a
+long context's step reads half the bytes, and the attention kernel widens each key exactly as it
+loads it. Every forward rounds its new K/V once as it writes them and every reader (steps,
+verification, the drafter) reads the same rounded values, so speculative decoding still equals
+plain decoding.
+
 Lengths live twice: as a device tensor (positions for RoPE and masks) and as a host list (key
 spans, capacity checks). Keeping the host copy means a forward never waits on the device to
 learn its own shapes; callers that know the new lengths on the host pass a list to `rollback`.
@@ -25,9 +31,12 @@ over the rows in use, and `copy_row` compacts finished rows away.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
+
+from specdraft.errors import SpecdraftError
 
 
 # Forwards of at most this many tokens per row (decode steps, verification, drafting) attend
@@ -44,6 +53,29 @@ SPAN_BLOCK = 128
 # An engine prefills prompts in forwards of at most this many tokens, which sizes its rings
 # (window + this); wider chunks gain little and keep the rings and the attention masks larger.
 PREFILL_CHUNK = 256
+
+
+# The largest magnitude float16 holds; a key or value past it would be stored as infinity.
+FLOAT16_MAX = 65504.0
+KV_DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16}
+
+
+def kv_storage_dtype(compute: torch.dtype, device_type: str, largest: float | None) -> torch.dtype:
+    """The dtype a KV cache stores K/V in: $SPECDRAFT_KV_DTYPE (auto, float32 or float16).
+
+    auto: float16 where the model computes in float32 on the CPU and `largest`, a bound on any
+    K/V element the model can write (None: unbounded), fits float16; the compute dtype otherwise
+    (bfloat16 models, accelerators: their attention reads the cache as it is)."""
+    name = os.environ.get("SPECDRAFT_KV_DTYPE", "auto")
+    if name not in KV_DTYPES:
+        raise SpecdraftError(f"SPECDRAFT_KV_DTYPE={name!r} is not one of {', '.join(KV_DTYPES)}")
+    fits = largest is not None and largest < FLOAT16_MAX
+    if compute != torch.float32 or device_type != "cpu" or name == "float32":
+        return compute
+    if name == "float16" and not fits:
+        raise SpecdraftError("SPECDRAFT_KV_DTYPE=float16: this model's keys can exceed float16's range "
+                             "(use float32 or auto)")
+    return torch.float16 if fits else compute
 
 
 @dataclass
@@ -230,8 +262,8 @@ class KVCache:
             self.v[slot][:, :, start : start + t] = v
         else:
             at = self.positions if ring is None else self.positions % ring
-            self.k[slot][self._rows, :, at] = k.transpose(1, 2)
-            self.v[slot][self._rows, :, at] = v.transpose(1, 2)
+            self.k[slot][self._rows, :, at] = k.transpose(1, 2).to(self.k[slot].dtype)
+            self.v[slot][self._rows, :, at] = v.transpose(1, 2).to(self.v[slot].dtype)
 
     def end(self) -> None:
         """Every written token now counts; callers roll back what they do not keep."""
@@ -280,5 +312,5 @@ class IndexedWrites:
     def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         ring = self.rings[slot]
         at = self.positions if ring is None else self.positions % ring
-        self.k[slot][self._rows, :, at] = k.transpose(1, 2)
-        self.v[slot][self._rows, :, at] = v.transpose(1, 2)
+        self.k[slot][self._rows, :, at] = k.transpose(1, 2).to(self.k[slot].dtype)
+        self.v[slot][self._rows, :, at] = v.transpose(1, 2).to(self.v[slot].dtype)

@@ -84,8 +84,10 @@ def estimate(model: nn.Module, fmt: str, dtype: torch.dtype, context: int, batch
 
 def kv_bytes(model: nn.Module, dtype: torch.dtype, context: int, batch_size: int = 1) -> int:
     """The engine's KV cache: `context` positions per layer that stores K/V, or, where the model
-    keeps sliding layers in rings, window + a prefill chunk of them."""
-    size = torch.finfo(dtype).bits // 8
+    keeps sliding layers in rings, window + a prefill chunk of them; in the dtype the model's
+    cache stores (a float16 cache beside float32 arithmetic: kv_cache.kv_storage_dtype)."""
+    stored = model.kv_dtype(dtype) if hasattr(model, "kv_dtype") else dtype
+    size = torch.finfo(stored).bits // 8
     total = 0
     for layer in model.kv_layers():
         layout = model.attention_layout(layer)

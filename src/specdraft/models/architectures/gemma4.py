@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdraft.config import FULL, SLIDING, ModelConfig
-from specdraft.kv_cache import AttentionSpan, KVCache
+from specdraft.kv_cache import AttentionSpan, KVCache, kv_storage_dtype
 from specdraft.models.architectures.gemma4_config import Gemma4Params, gemma4_params
 from specdraft.models.architectures.gemma4_fused import FusedLayers, run_fused
 from specdraft.models.architectures.layers import GatedMLP, RMSNorm, activation, attend
@@ -244,8 +244,27 @@ class Gemma4Transformer(CachedDecoder):
             table.ensure(capacity, w.device)
         types = cfg.layer_types[: p.first_shared_layer]
         shapes = [(p.num_kv_heads[t], p.head_dim[t]) for t in types]
-        return KVCache(shapes, batch_size, capacity, self.dtype, w.device, [self.windows[t] for t in types],
+        return KVCache(shapes, batch_size, capacity, self.kv_dtype(), w.device, [self.windows[t] for t in types],
                        max_forward, reads_window)
+
+    def kv_dtype(self, compute: torch.dtype | None = None) -> torch.dtype:
+        """What the cache stores K/V in (kv_cache.kv_storage_dtype): float16 on the CPU by default.
+        Every element is bounded: v_norm leaves |v_i| <= sqrt(D) (an RMS-normed vector of D
+        elements), k_norm |k_i| <= sqrt(D) max|w|, and RoPE rotates pairs, which keeps a pair's
+        length, so |k_i| <= sqrt(D) max|w| after it too."""
+        w = self.embed_tokens.weight
+        return kv_storage_dtype(compute or self.dtype, w.device.type, self.largest_kv())
+
+    def largest_kv(self) -> float | None:
+        """A bound on any K/V element this model writes (see kv_dtype); weights not loaded yet
+        (the meta device) count as 1."""
+        bound = 0.0
+        for layer in self.layers[: self.params.first_shared_layer]:
+            attn = layer.self_attn
+            w = attn.k_norm.weight
+            top = 1.0 if w is None or w.is_meta else float(w.detach().abs().max())
+            bound = max(bound, attn.head_dim**0.5 * max(top, 1.0))
+        return bound
 
     def cache_slot(self, layer: int) -> int:
         """Producers are layers 0..first_shared-1, stored in slots of the same index."""

@@ -8,6 +8,8 @@ from torch import nn
 
 from specdraft.kv_cache import SHORT_FORWARD
 from specdraft.models.formats.block_linear import stack_blocks
+from specdraft.models.kernels.attention import KV_DTYPES as NATIVE_KV_DTYPES
+from specdraft.models.kernels.attention import attend_prompt as native_attend_prompt
 from specdraft.models.kernels.attention import attend_short as native_attend_short
 from specdraft.models.kernels.build import applies as kernels_apply
 from specdraft.models.kernels.gated_act import KINDS as NATIVE_ACTIVATIONS
@@ -138,11 +140,18 @@ def attend(
     scale: float,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Attention of q [B, H, T, D] over k, v [B, Hkv, S, D] (GQA when Hkv < H); mask [B, 1, T, S] bool."""
+    """Attention of q [B, H, T, D] over k, v [B, Hkv, S, D] (GQA when Hkv < H); mask [B, 1, T, S] bool.
+    K and V may be stored narrower than q (a 16-bit KV cache): the C kernels widen them as they
+    load them; PyTorch's ops get them widened first."""
+    native = (kernels_apply(q) and k.dtype in NATIVE_KV_DTYPES and v.dtype == k.dtype
+              and (mask is None or mask.dtype == torch.bool))
+    if native and q.shape[2] > SHORT_QUERY and softcap is None:
+        return native_attend_prompt(q, k, v, mask, scale)  # tiled over keys, online softmax (attention.c)
+    if native:
+        return native_attend_short(q, k, v, mask, scale, softcap)  # one C call (models/kernels/attention.c)
+    k, v = _cast(k, q.dtype), _cast(v, q.dtype)
     if softcap is None and q.shape[2] > SHORT_QUERY:
         return _attend_long(q, k, v, mask, scale)
-    if kernels_apply(q) and k.dtype == v.dtype == torch.float32 and (mask is None or mask.dtype == torch.bool):
-        return native_attend_short(q, k, v, mask, scale, softcap)  # one C call (models/kernels/attention.c)
     return _attend_short(q, k, v, mask, scale, softcap)
 
 

@@ -36,6 +36,10 @@ SIGNATURES = {  # name: argument types (every kernel returns nothing)
     "unpack_codes": [_PTR, _I64, _PTR, _I64, _I64, _INT],
     "attend_rows": [_PTR] + [_I64] * 3 + [_PTR, _PTR] + [_I64] * 4 + [_PTR] + [_I64] * 2 + [_PTR]
                    + [_I64] * 6 + [_FLOAT, _FLOAT, _PTR, _INT],
+    "attend_rows_kv": [_PTR] + [_I64] * 3 + [_PTR, _PTR] + [_I64] * 4 + [_INT, _PTR] + [_I64] * 2 + [_PTR]
+                      + [_I64] * 6 + [_FLOAT, _FLOAT, _PTR, _INT],
+    "attend_prefill": [_PTR] + [_I64] * 3 + [_PTR, _PTR] + [_I64] * 4 + [_INT, _PTR] + [_I64] * 2 + [_PTR]
+                      + [_I64] * 6 + [_FLOAT, _FLOAT, _INT],
     "q8_quantize_rows": [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
     "q8_act_quantize": [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _INT],
     "q8_act_gemv": [_PTR] * 5 + [_INT, _INT, _INT] + [_PTR] * 3 + [_I64] * 4 + [_INT],

@@ -61,9 +61,11 @@ void decoder_layer(const LayerWeights *L, const LayerStep *S, const float *x, fl
                   S->positions, q, S->k_cache, S->cache_sb, S->cache_sh, S->v_cache, S->cache_sb, S->cache_sh,
                   threads);
     /* q [B, T, heads, D]: strides batch T*qd, head D, query qd; out [B, T, heads, D] */
-    attend_rows(q, S->T * qd, D, qd, S->k_cache + S->span_lo * D, S->v_cache + S->span_lo * D, S->cache_sb,
-                S->cache_sh, S->cache_sb, S->cache_sh, S->mask, S->mask_sb, S->mask_st, att, S->B, L->heads,
-                L->kv_heads, S->T, S->span_len, D, L->scale, L->softcap, work, threads);
+    const int64_t el = S->kv_half ? 2 : 4; /* bytes a cached element takes */
+    attend_rows_kv(q, S->T * qd, D, qd, (const char *)S->k_cache + S->span_lo * D * el,
+                   (const char *)S->v_cache + S->span_lo * D * el, S->cache_sb, S->cache_sh, S->cache_sb, S->cache_sh,
+                   (int)S->kv_half, S->mask, S->mask_sb, S->mask_st, att, S->B, L->heads, L->kv_heads, S->T,
+                   S->span_len, D, L->scale, L->softcap, work, threads);
     linear(&L->o, att, a, M, H, qd, rows, threads);
     residual_norms(a, L->sandwich, L->norm_post_attn, x, L->norm_pre_mlp, x_mid, h2, M, H, L->eps, threads);
     linear(&L->gate_up, h2, gu, M, 2 * L->inter, H, rows, threads);

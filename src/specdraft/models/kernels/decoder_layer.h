@@ -49,6 +49,7 @@ typedef struct {
     int64_t span_lo, span_len; /* the keys attention reads */
     const uint8_t *mask; /* [B, 1, T, span_len] bool */
     int64_t mask_sb, mask_st;
+    int64_t kv_half; /* the cache holds float16 (query-only attention: nothing written), else float32 */
 } LayerStep;
 
 int64_t decoder_stack_scratch(const LayerWeights *L, const LayerStep *S, int64_t n);

@@ -48,7 +48,7 @@ class LayerWeights(ctypes.Structure):
 class LayerStep(ctypes.Structure):
     _fields_ = [("B", _I64), ("T", _I64), ("cos", _P), ("sin", _P), ("positions", _P), ("k_cache", _P),
                 ("v_cache", _P), ("cache_sb", _I64), ("cache_sh", _I64), ("span_lo", _I64), ("span_len", _I64),
-                ("mask", _P), ("mask_sb", _I64), ("mask_st", _I64)]
+                ("mask", _P), ("mask_sb", _I64), ("mask_st", _I64), ("kv_half", _I64)]
 
 
 def pointer(t: torch.Tensor | None) -> int | None:
@@ -66,9 +66,12 @@ def layer_step(b: int, t: int, head_dim: int, cos: torch.Tensor, sin: torch.Tens
         mask = mask.contiguous()
     positions = None if positions is None else positions.contiguous()
     keep += [cos, sin, mask, positions]
+    half = int(k_cache.dtype == torch.float16)
+    if half and positions is not None:
+        raise ValueError("decoder_layer writes float32 K/V: a float16 cache takes query-only attention only")
     return LayerStep(b, t, cos.data_ptr(), sin.data_ptr(), pointer(positions), k_cache.data_ptr(),
                      v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), span_lo, span_hi - span_lo,
-                     mask.data_ptr(), mask.stride(0), mask.stride(2))
+                     mask.data_ptr(), mask.stride(0), mask.stride(2), half)
 
 
 def decoder_layer(weights: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -161,7 +164,9 @@ def _weight_tensor(m) -> torch.Tensor | None:
     return None
 
 
-def reads_cache(k: torch.Tensor, v: torch.Tensor, head_dim: int) -> bool:
-    """Whether K/V storage (or a key span of it) is laid out as decoder_layer.c reads it."""
-    return (k.dtype == v.dtype == torch.float32 and k.stride(-1) == 1 and k.stride(-2) == head_dim
+def reads_cache(k: torch.Tensor, v: torch.Tensor, head_dim: int, query_only: bool = False) -> bool:
+    """Whether K/V storage (or a key span of it) is laid out as decoder_layer.c reads it: float32,
+    or float16 for query-only attention (the MTP drafter over a 16-bit cache: it writes none)."""
+    dtypes = (torch.float32, torch.float16) if query_only else (torch.float32,)
+    return (k.dtype == v.dtype and k.dtype in dtypes and k.stride(-1) == 1 and k.stride(-2) == head_dim
             and v.stride() == k.stride())

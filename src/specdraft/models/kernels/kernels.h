@@ -28,6 +28,11 @@ void attend_rows(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_st,
                  const uint8_t *mask, int64_t m_sb, int64_t m_st, float *out,
                  int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t S, int64_t D,
                  float scale, float softcap, float *work, int threads);
+void attend_rows_kv(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_st,
+                    const void *k, const void *v, int64_t k_sb, int64_t k_sh, int64_t v_sb, int64_t v_sh, int kv_half,
+                    const uint8_t *mask, int64_t m_sb, int64_t m_st, float *out,
+                    int64_t B, int64_t H, int64_t Hkv, int64_t T, int64_t S, int64_t D,
+                    float scale, float softcap, float *work, int threads);
 int64_t attend_work(int64_t B, int64_t H, int64_t T, int64_t S, int64_t D);
 void gated_act(const float *gate_up, int64_t M, int64_t I, int kind, float *out, int threads);
 

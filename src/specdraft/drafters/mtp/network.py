@@ -122,7 +122,7 @@ class DrafterBlock(nn.Module):
             ok = fusable(linears, self._norms(), mlp.act_name, qk_norms, attn.head_dim)
             self._fused = (key, self._layer_weights(ctx) if ok else None, linears, tiles, qk_norms)
         weights = self._fused[1]
-        fits = weights is not None and reads_cache(ctx.keys, ctx.values, attn.head_dim, query_only=True)
+        fits = weights is not None and reads_cache(ctx.keys, ctx.values, attn.head_dim, takes_half=True)
         return weights if fits else None
 
     def _layer_weights(self, ctx: LayerContext) -> LayerWeights:

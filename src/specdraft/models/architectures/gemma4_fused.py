@@ -3,7 +3,7 @@
 Eager, a 35-layer E2B step makes some 2,000 Python-level calls (norms of six ops each, per-head
 RoPE, a kernel call per projection), a fifth of its time over the memory floor. Where every layer
 is made of parts the C kernels read (packed projections, float32 norm scales, a GeGLU/SwiGLU MLP,
-no routed experts) and the cache is float32, the layers run in one call; the embeddings, the PLE
+no routed experts) and the cache is float32 or float16, the layers run in one call; the embeddings, the PLE
 inputs and the final norm stay in PyTorch (a handful of ops a step). Prompts (wider forwards) stay
 eager.
 """
@@ -100,7 +100,7 @@ class FusedLayers:
             return None
         for i in range(len(model.layers)):
             slot, d = model.cache_slot(i), model.layers[i].self_attn.head_dim
-            if not reads_cache(kv.k[slot], kv.v[slot], d):
+            if not reads_cache(kv.k[slot], kv.v[slot], d, takes_half=True):
                 return None
         return fused
 
@@ -128,6 +128,7 @@ def stack_steps(model, x: torch.Tensor, rope: dict, kv: KVCache, spans: dict[str
         steps[i].positions = writes[ring].data_ptr()
         steps[i].k_cache, steps[i].v_cache = k.data_ptr(), v.data_ptr()
         steps[i].cache_sb, steps[i].cache_sh = k.stride(0), k.stride(1)
+        steps[i].kv_half = int(k.dtype == torch.float16)
     return steps
 
 

@@ -67,8 +67,6 @@ def layer_step(b: int, t: int, head_dim: int, cos: torch.Tensor, sin: torch.Tens
     positions = None if positions is None else positions.contiguous()
     keep += [cos, sin, mask, positions]
     half = int(k_cache.dtype == torch.float16)
-    if half and positions is not None:
-        raise ValueError("decoder_layer writes float32 K/V: a float16 cache takes query-only attention only")
     return LayerStep(b, t, cos.data_ptr(), sin.data_ptr(), pointer(positions), k_cache.data_ptr(),
                      v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), span_lo, span_hi - span_lo,
                      mask.data_ptr(), mask.stride(0), mask.stride(2), half)
@@ -164,9 +162,10 @@ def _weight_tensor(m) -> torch.Tensor | None:
     return None
 
 
-def reads_cache(k: torch.Tensor, v: torch.Tensor, head_dim: int, query_only: bool = False) -> bool:
-    """Whether K/V storage (or a key span of it) is laid out as decoder_layer.c reads it: float32,
-    or float16 for query-only attention (the MTP drafter over a 16-bit cache: it writes none)."""
-    dtypes = (torch.float32, torch.float16) if query_only else (torch.float32,)
+def reads_cache(k: torch.Tensor, v: torch.Tensor, head_dim: int, takes_half: bool = False) -> bool:
+    """Whether K/V storage (or a key span of it) is laid out as the layer kernels read it: float32,
+    or float16 where the caller's kernel takes it (`takes_half`: gemma4_layer.c, and decoder_layer.c's
+    query-only attention for the MTP drafter, which writes nothing; decoder_layer.c writes float32)."""
+    dtypes = (torch.float32, torch.float16) if takes_half else (torch.float32,)
     return (k.dtype == v.dtype and k.dtype in dtypes and k.stride(-1) == 1 and k.stride(-2) == head_dim
             and v.stride() == k.stride())

@@ -83,12 +83,30 @@ static void head_norm_rope(const float *x, const float *scale, float eps, const 
     }
 }
 
+/* One cached head of D values: float32 as is, or rounded to float16 (to nearest even, as
+ * torch's .half() rounds) where the cache stores that. */
+static void head_norm_rope_store(const float *x, const float *scale, float eps, const float *cos, const float *sin,
+                                 int64_t D, void *cache, int64_t at, int half) {
+    if (!half) {
+        head_norm_rope(x, scale, eps, cos, sin, D, (float *)cache + at);
+        return;
+    }
+    float y[1024];
+    uint16_t *out = (uint16_t *)cache + at;
+    head_norm_rope(x, scale, eps, cos, sin, D, y);
+    int64_t i = 0;
+    for (; i + 8 <= D; i += 8)
+        _mm_storeu_si128((__m128i *)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(y + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < D; i++) out[i] = _cvtss_sh(y[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 /* q [M, Hq*D], k, v [M, Hkv*D] projections -> q_out [M, Hq, D] normed and rotated; k normed,
- * rotated and v normed into the cache at `positions` (k NULL: a KV-shared layer, nothing written). */
+ * rotated and v normed into the cache (float32, or float16: half) at `positions` (k NULL: a
+ * KV-shared layer, nothing written). */
 static void qkv_write(const float *q, const float *k, const float *v, int64_t M, int64_t T, int64_t Hq, int64_t Hkv,
                       int64_t D, const float *q_scale, const float *k_scale, float eps, const float *cos,
-                      const float *sin, const int64_t *positions, float *q_out, float *k_cache, float *v_cache,
-                      int64_t sb, int64_t sh) {
+                      const float *sin, const int64_t *positions, float *q_out, void *k_cache, void *v_cache,
+                      int64_t sb, int64_t sh, int half) {
     const int64_t heads = Hq + (k ? 2 * Hkv : 0);
     for (int64_t task = 0; task < M * heads; task++) {
         const int64_t m = task / heads, h = task % heads, b = m / T;
@@ -97,10 +115,12 @@ static void qkv_write(const float *q, const float *k, const float *v, int64_t M,
             head_norm_rope(q + (m * Hq + h) * D, q_scale, eps, c, s, D, q_out + (m * Hq + h) * D);
         } else if (h < Hq + Hkv) {
             const int64_t hk = h - Hq;
-            head_norm_rope(k + (m * Hkv + hk) * D, k_scale, eps, c, s, D, k_cache + b * sb + hk * sh + positions[m] * D);
+            head_norm_rope_store(k + (m * Hkv + hk) * D, k_scale, eps, c, s, D, k_cache, b * sb + hk * sh + positions[m] * D,
+                                 half);
         } else {
             const int64_t hv = h - Hq - Hkv;
-            head_norm_rope(v + (m * Hkv + hv) * D, 0, eps, 0, 0, D, v_cache + b * sb + hv * sh + positions[m] * D);
+            head_norm_rope_store(v + (m * Hkv + hv) * D, 0, eps, 0, 0, D, v_cache, b * sb + hv * sh + positions[m] * D,
+                                 half);
         }
     }
 }
@@ -173,11 +193,12 @@ void gemma4_layer(const Gemma4Weights *L, const LayerStep *S, const float *x, co
     }
     TIMED(T_QKV_ROPE, qkv_write(q, shared ? 0 : k, L->v.weights ? v : k, M, S->T, L->heads, L->kv_heads, D, L->q_norm,
                                 L->k_norm, L->eps, S->cos, S->sin, S->positions, qr, S->k_cache, S->v_cache,
-                                S->cache_sb, S->cache_sh));
-    TIMED(T_ATTENTION, attend_rows(qr, S->T * qd, D, qd, S->k_cache + S->span_lo * D, S->v_cache + S->span_lo * D,
-                                   S->cache_sb, S->cache_sh, S->cache_sb, S->cache_sh, S->mask, S->mask_sb,
-                                   S->mask_st, att, S->B, L->heads, L->kv_heads, S->T, S->span_len, D, 1.0f, 0.0f,
-                                   work, threads));
+                                S->cache_sb, S->cache_sh, (int)S->kv_half));
+    const int64_t el = S->kv_half ? 2 : 4; /* bytes a cached element takes */
+    TIMED(T_ATTENTION, attend_rows_kv(qr, S->T * qd, D, qd, (const char *)S->k_cache + S->span_lo * D * el,
+                                      (const char *)S->v_cache + S->span_lo * D * el, S->cache_sb, S->cache_sh,
+                                      S->cache_sb, S->cache_sh, (int)S->kv_half, S->mask, S->mask_sb, S->mask_st, att,
+                                      S->B, L->heads, L->kv_heads, S->T, S->span_len, D, 1.0f, 0.0f, work, threads));
     linear1(&L->o, a, H, att, M, qd, rows, threads, T_ATTN_MATRICES);
     TIMED(T_NORMS, residual_norms(a, 1, L->norm_post_attn, x, L->norm_pre_mlp, x_mid, h, M, H, L->eps, threads));
     {

@@ -65,8 +65,8 @@ def record_prefill(model: torch.nn.Module, chunks: list[list[int]], slots: list[
         rec = {"prompt_length": 1, "temperature": 0.0, "corpus": True, "tokens": tokens[i, :n].int(),
                "hidden": hidden[i, :n].cpu(), "topk_ids": ids.int().cpu(), "topk_logp": lp.float().cpu()}
         for s in slots:
-            for name, store in (("k", cache.k), ("v", cache.v)):
-                rec[f"{name}.{s}"] = store[s][i, :, :n].transpose(0, 1).reshape(n, -1).cpu()
+            for name, store in (("k", cache.k), ("v", cache.v)):  # a float16 cache: widened (exact)
+                rec[f"{name}.{s}"] = store[s][i, :, :n].transpose(0, 1).reshape(n, -1).to(hidden.dtype).cpu()
         out.append(rec)
     return out
 

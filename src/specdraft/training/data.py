@@ -123,8 +123,8 @@ def record_answers(model: torch.nn.Module, prompts: list[list[int]], max_new_tok
         feats = {"tokens": torch.cat([torch.tensor(prompts[i]), answers[i, :n_ans]]).int(), "hidden": hid,
                  "topk_ids": ids, "topk_logp": lp}
         for s in slots:
-            for name, store in (("k", cache.k), ("v", cache.v)):
-                feats[f"{name}.{s}"] = store[s][i, :, :n].transpose(0, 1).reshape(n, -1).cpu()
+            for name, store in (("k", cache.k), ("v", cache.v)):  # a float16 cache: widened (exact)
+                feats[f"{name}.{s}"] = store[s][i, :, :n].transpose(0, 1).reshape(n, -1).to(hid.dtype).cpu()
         out.append({"prompt_length": p, "temperature": temperature, **feats})
     return out
 

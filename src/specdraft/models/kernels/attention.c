@@ -170,6 +170,38 @@ static void value_tile(const float *const *p, int nq, const void *v, int half, i
     }
 }
 
+/* e^x in 8 lanes for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n;
+ * within 2 ulp of expf, flushed to 0 below -87.3). Each lane depends on its own x only. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* s[j] = e^(s[j] - top) for j in [j0, j1), 8 at a time; the tail through a buffer, the same lanes. */
+static void exp_shifted(float *s, int64_t j0, int64_t j1, float top) {
+    const __m256 t = _mm256_set1_ps(top);
+    int64_t j = j0;
+    for (; j + 8 <= j1; j += 8) _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), t)));
+    if (j < j1) {
+        float buf[8] = {0};
+        memcpy(buf, s + j, sizeof(float) * (j1 - j));
+        _mm256_storeu_ps(buf, exp8(_mm256_sub_ps(_mm256_loadu_ps(buf), t)));
+        memcpy(s + j, buf, sizeof(float) * (j1 - j));
+    }
+}
+
 /* One query's softmax over its visible scores in [j0, j1) in place (scaled, soft-capped, then
  * exp(s - max); 0 where it does not see the key); part[0] = the max (-inf when it sees no key of
  * the chunk), part[1] = the sum. */
@@ -186,13 +218,16 @@ static void chunk_softmax(float *s, const uint8_t *visible, int64_t j0, int64_t 
     part[0] = top;
     part[1] = 0.0f;
     if (top == -INFINITY) return;
+    if (visible) /* unseen keys hold raw scores: no overflow in the exponentials, zeroed below */
+        for (int64_t j = j0; j < j1; j++)
+            if (!visible[j]) s[j] = top;
+    exp_shifted(s, j0, j1, top);
     float total = 0.0f;
     for (int64_t j = j0; j < j1; j++) {
         if (visible && !visible[j]) {
             s[j] = 0.0f;
             continue;
         }
-        s[j] = expf(s[j] - top);
         total += s[j];
     }
     part[1] = total;
@@ -239,6 +274,16 @@ static void chunk_partials(const float *const *qs, const uint8_t *const *vis, co
     }
     for (int q0 = 0; q0 < m; q0 += QTILE)
         value_tile(live_p + q0, m - q0 < QTILE ? m - q0 : QTILE, v, half, j0, j1, D, live_out + q0);
+}
+
+/* Asks for the next chunk's keys and values (into L2) while this one is computed: a long
+ * context's chunks come from memory, and its misses otherwise stall the multiply-adds. Only a
+ * hint: no result changes. */
+static void prefetch_chunk(const char *k, const char *v, int64_t bytes) {
+    for (int64_t b = 0; b < bytes; b += 64) {
+        _mm_prefetch(k + b, _MM_HINT_T1);
+        _mm_prefetch(v + b, _MM_HINT_T1);
+    }
 }
 
 #define TASK_COST 8 /* a task's work beside its keys (the mask scan, the softmax's loops), in keys */
@@ -315,6 +360,10 @@ void attend_rows_kv(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_st,
             const int nq = block_queries(q, q_sb, q_sh, q_st, mask, m_sb, m_st, b, hk, qb, group, T, j0, qs, vis,
                                          heads, times);
             for (int i = 0; i < nq; i++) part[i] = parts + (((b * H + heads[i]) * T + times[i]) * chunks + c) * (D + 2);
+            if (qb == 0 && c + 1 < chunks) /* the next chunk: its keys past S are never read, nor asked for */
+                prefetch_chunk((const char *)k + (b * k_sb + hk * k_sh + (j0 + CHUNK) * D) * el,
+                               (const char *)v + (b * v_sb + hk * v_sh + (j0 + CHUNK) * D) * el,
+                               ((S - j0 - CHUNK < CHUNK ? S - j0 - CHUNK : CHUNK)) * D * el);
             chunk_partials(qs, vis, (const char *)k + (b * k_sb + hk * k_sh + j0 * D) * el,
                            (const char *)v + (b * v_sb + hk * v_sh + j0 * D) * el, kv_half, nq, n, D, scale, softcap,
                            s, part);
@@ -390,6 +439,10 @@ void attend_prefill(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_st,
                 nq = block_queries(q, q_sb, q_sh, q_st, mask, m_sb, m_st, b, hk, qb, group, T, j0, qs, vis, heads,
                                    times);
                 for (int i = 0; i < nq; i++) part[i] = parts + i * (D + 2);
+                if (c + 1 < chunks)
+                    prefetch_chunk((const char *)k + (b * k_sb + hk * k_sh + (j0 + CHUNK) * D) * el,
+                                   (const char *)v + (b * v_sb + hk * v_sh + (j0 + CHUNK) * D) * el,
+                                   ((S - j0 - CHUNK < CHUNK ? S - j0 - CHUNK : CHUNK)) * D * el);
                 if (c == 0)
                     for (int i = 0; i < nq; i++) run[i * (D + 2)] = -INFINITY, run[i * (D + 2) + 1] = 0.0f;
                 chunk_partials(qs, vis, (const char *)k + (b * k_sb + hk * k_sh + j0 * D) * el,

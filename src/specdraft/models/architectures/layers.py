@@ -145,8 +145,10 @@ def attend(
     load them; PyTorch's ops get them widened first."""
     native = (kernels_apply(q) and k.dtype in NATIVE_KV_DTYPES and v.dtype == k.dtype
               and (mask is None or mask.dtype == torch.bool))
-    if native and q.shape[2] > SHORT_QUERY and softcap is None:
-        return native_attend_prompt(q, k, v, mask, scale)  # tiled over keys, online softmax (attention.c)
+    if native and q.shape[2] > SHORT_QUERY and softcap is None and k.dtype == torch.float16:
+        # A 16-bit cache's prompt: tiled over keys with an online softmax (attention.c), reading the
+        # keys as stored. A float32 one keeps PyTorch's flash kernel (_attend_long), measured there.
+        return native_attend_prompt(q, k, v, mask, scale)
     if native:
         return native_attend_short(q, k, v, mask, scale, softcap)  # one C call (models/kernels/attention.c)
     k, v = _cast(k, q.dtype), _cast(v, q.dtype)

@@ -156,6 +156,7 @@ def test_google_config_spelling_and_extra_shared_kv_tensors(tmp_path_factory):
     assert_fp32_close(_ours(model, ids), expected, reduction_depth(model.config))
 
 
+@pytest.mark.usefixtures("float32_kv")  # float32 parity: summation order only
 def test_full_layers_shaped_like_sliding_ones(tmp_path_factory):
     """Full layers with the sliding layers' head_dim and KV heads: transformers saves an empty
     per_layer_config, which means those shapes (not global_head_dim's default of 512)."""

@@ -101,9 +101,10 @@ def test_estimate_counts_formats_and_context(folder: Path) -> None:
     q8, q4 = estimate(shape, "q8", torch.float32, 1024), estimate(shape, "q4", torch.float32, 1024)
     assert q4.weights < q8.weights < estimate(shape, "dtype", torch.float32, 1024).weights
     per_position = {False: 0, True: 0}  # bytes per cached position: full layers, sliding layers
+    element = 2  # Gemma 4's cache holds float16 on the CPU (kv_cache.kv_storage_dtype)
     for layer in shape.kv_layers():
         lay = shape.attention_layout(layer)
-        per_position[lay.window is not None] += 2 * lay.num_kv_heads * lay.head_dim * 4
+        per_position[lay.window is not None] += 2 * lay.num_kv_heads * lay.head_dim * element
     ring = shape.config.sliding_window + PREFILL_CHUNK  # sliding layers keep a ring (kv_cache.py)
     for context in (16, 1024, 2048):
         kv = estimate(shape, "q8", torch.float32, context).kv

@@ -17,7 +17,7 @@ from gemma4_tiny import assistant_config, follow_transitions_, randomize_, targe
 from specdraft.drafters.mtp import load_mtp_drafter  # noqa: E402
 from specdraft.errors import SpecdraftError  # noqa: E402
 from specdraft.kv_cache import PREFILL_CHUNK  # noqa: E402
-from specdraft.loading import load_folder  # noqa: E402
+from specdraft.loading import describe_folder, load_folder  # noqa: E402
 from specdraft.loading.footprint import kv_bytes  # noqa: E402
 from specdraft.models.kernels import build  # noqa: E402
 from specdraft.models.kernels.attention import attend_prompt, attend_short  # noqa: E402
@@ -109,12 +109,15 @@ def target(tmp_path_factory):
     return ref, model
 
 
-def test_gemma4_cache_is_float16_by_default_and_float32_on_request(target, monkeypatch) -> None:
-    _, model = target
+def test_gemma4_cache_is_float16_by_default_and_float32_on_request(target, monkeypatch, tmp_path) -> None:
+    ref, model = target
     cache = model.new_cache(1, 64, max_forward=4)
     assert {t.dtype for t in cache.k + cache.v} == {torch.float16}
     half = kv_bytes(model, torch.float32, 1000)
     assert half == model.new_cache(1, 1000, max_forward=PREFILL_CHUNK).nbytes()  # the estimate counts 2 bytes
+    ref.config.save_pretrained(tmp_path)
+    _, shapes = describe_folder(tmp_path)  # what the memory check sizes, before any weight is read
+    assert kv_bytes(shapes, torch.float32, 1000) == half
     monkeypatch.setenv("SPECDRAFT_KV_DTYPE", "float32")
     assert {t.dtype for t in model.new_cache(1, 64).k} == {torch.float32}
     assert kv_bytes(model, torch.float32, 1000) == 2 * half

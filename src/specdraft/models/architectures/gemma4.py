@@ -253,7 +253,8 @@ class Gemma4Transformer(CachedDecoder):
         elements), k_norm |k_i| <= sqrt(D) max|w|, and RoPE rotates pairs, which keeps a pair's
         length, so |k_i| <= sqrt(D) max|w| after it too."""
         w = self.embed_tokens.weight
-        return kv_storage_dtype(compute or self.dtype, w.device.type, self.largest_kv())
+        device = "cpu" if w.is_meta else w.device.type  # the memory estimate's model (meta) sizes a CPU run
+        return kv_storage_dtype(compute or self.dtype, device, self.largest_kv())
 
     def largest_kv(self) -> float | None:
         """A bound on any K/V element this model writes (see kv_dtype); weights not loaded yet

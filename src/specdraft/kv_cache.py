@@ -298,6 +298,59 @@ class KVCache:
             self.lengths[row] = n
 
 
+    # --- saving and restoring a row (speculative/prefix_cache.py) ------------------------------
+    def snapshot_row(self, row: int) -> "RowSnapshot":
+        """A copy of row `row`'s K/V for positions below its length, in position order. A ring
+        slot holds only its last `ring` positions written, so its copy starts later."""
+        n, written = self.host_lengths[row], self._written[self._offset + row]
+        k, v, first = [], [], []
+        for kt, vt, ring in zip(self.k, self.v, self.rings):
+            lo = 0 if ring is None else max(0, written - ring)
+            at = torch.arange(lo, n, device=self.device)
+            at = at if ring is None else at % ring
+            k.append(kt[row].index_select(1, at))
+            v.append(vt[row].index_select(1, at))
+            first.append(lo)
+        return RowSnapshot(n, k, v, first)
+
+    def can_restore(self, snap: "RowSnapshot", length: int) -> bool:
+        """Whether `snap` holds every key a query at `length` may read in this cache's layout: all
+        positions for a full slot, the ring's lookback (ring - max_forward, a drafter's wider
+        window included) for a ring slot."""
+        if length > snap.length or len(snap.k) != len(self.k):
+            return False
+        for first, ring in zip(snap.first, self.rings):
+            need = 0 if ring is None else max(0, length - (ring - self.max_forward))
+            if first > need:
+                return False
+        return True
+
+    def restore_row(self, row: int, snap: "RowSnapshot", length: int) -> None:
+        """Make row `row` hold the first `length` positions of `snap` (can_restore must hold)."""
+        if not self.can_restore(snap, length):
+            raise ValueError(f"snapshot of {snap.length} positions cannot restore {length} in this cache")
+        for kt, vt, sk, sv, first, ring in zip(self.k, self.v, snap.k, snap.v, snap.first, self.rings):
+            lo = first if ring is None else max(first, length - ring)
+            at = torch.arange(lo, length, device=self.device)
+            at = at if ring is None else at % ring
+            kt[row].index_copy_(1, at, sk[:, lo - first : length - first])
+            vt[row].index_copy_(1, at, sv[:, lo - first : length - first])
+        self._written[self._offset + row] = length
+        self._set_lengths({row: length})
+
+
+@dataclass
+class RowSnapshot:
+    """One row's K/V for positions [first[s], length) of each slot, copied out of a cache."""
+
+    length: int
+    k: list[torch.Tensor]  # per slot [kv_heads, length - first, head_dim]
+    v: list[torch.Tensor]
+    first: list[int]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
 
 class IndexedWrites:
     """The cache as a compiled step sees it: storage and the positions being written, nothing

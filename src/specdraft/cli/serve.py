@@ -10,6 +10,7 @@ from specdraft.cli.args import check_draft_tokens
 from specdraft.errors import SpecdraftError
 
 DEFAULT_MAX_CONTEXT = 2048
+DEFAULT_PREFIX_CACHE_MB = 512
 
 
 def register(sub) -> None:
@@ -35,6 +36,11 @@ def register(sub) -> None:
                    help="positions per KV cache row, which sizes the cache: max-batch-size rows of this many "
                         f"(default {DEFAULT_MAX_CONTEXT}, capped at the model's context); a request's prompt + "
                         "max_tokens may use this minus the widest draft round + 1 (GET /v1/models: max_model_len)")
+    p.add_argument("--prefix-cache-mb", type=int, default=DEFAULT_PREFIX_CACHE_MB,
+                   help="memory for finished requests' KV cache, kept so that a request starting with the same "
+                        "tokens (a conversation's next turn, a shared system prompt) prefills only the rest; least "
+                        f"recently used evicted first; outside the KV rows of --max-batch-size (default "
+                        f"{DEFAULT_PREFIX_CACHE_MB}; 0: off)")
     p.add_argument("--api-key", default=os.environ.get("SPECDRAFT_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on everything but /health and the playground page "
                         "(default: $SPECDRAFT_API_KEY, else none)")
@@ -56,6 +62,8 @@ def _check(args) -> None:
         raise SpecdraftError(f"--max-queue must be >= 0, got {args.max_queue}")
     if args.max_context < 16:
         raise SpecdraftError(f"--max-context must be >= 16, got {args.max_context}")
+    if args.prefix_cache_mb < 0:
+        raise SpecdraftError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     if args.api_key == "":
         raise SpecdraftError("--api-key must not be empty")
     if not args.shutdown_timeout >= 0:
@@ -76,7 +84,7 @@ def run(args) -> int:
     _, note = set_threads(args.threads)
     served = load_served(args.model, args.drafter, args.dtype, args.device, args.max_batch_size, args.max_context,
                          args.drafter_path, args.draft_tokens, args.weights,
-                         args.compile, args.draft_policy, args.prefill_dtype)
+                         args.compile, args.draft_policy, args.prefill_dtype, args.prefix_cache_mb << 20)
     if note:
         print(f"specdraft: note: {note}", file=sys.stderr)
     print(f"specdraft: serving {served.name} (drafter {served.drafter}) on http://{args.host}:{args.port}/ "

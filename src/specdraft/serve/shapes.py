@@ -38,7 +38,8 @@ class ApiError(Exception):
 
 def usage(r: GenerationResult) -> dict:
     n_prompt, n_new = len(r.prompt_ids), len(r.token_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new}
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_new, "total_tokens": n_prompt + n_new,
+            "prompt_tokens_details": {"cached_tokens": r.stats.cached_tokens}}  # as OpenAI reports its cache
 
 
 def spec_stats(r: GenerationResult, drafter: str, k: int) -> dict:

@@ -34,6 +34,7 @@ from specdraft.kv_cache import PREFILL_CHUNK, SHORT_FORWARD
 from specdraft.sampling import SamplingParams
 from specdraft.speculative.group_verify import draft_sampling, verify_rows
 from specdraft.speculative.policy import DraftPolicy, FixedPolicy
+from specdraft.speculative.prefix_cache import PrefixCache
 from specdraft.speculative.request import GenerationResult, Request, SamplingGroup
 from specdraft.speculative.rows import ActiveRow
 from specdraft.speculative.stats import Timer
@@ -47,13 +48,14 @@ class Engine:
     def __init__(self, model: torch.nn.Module, tokenizer: Tokenizer | None = None,
                  drafter: Drafter | None = None, draft_tokens: int = 4, max_batch_size: int = 8,
                  capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, speculate_below: int | None = None,
-                 policy: DraftPolicy | None = None):
+                 policy: DraftPolicy | None = None, prefix_cache: PrefixCache | None = None):
         """`capacity`: positions per row (prompt + new tokens + a round of drafts) for requests
         added with `add`; default the model's context. `generate` sizes its own batch.
         `policy`: how many drafts each round verifies (speculative/policy.py); `draft_tokens` is
         then the most the MTP drafter proposes. Default: a FixedPolicy, the drafter's full width
         every round, except plain rounds from `speculate_below` decoding rows on (None: never);
-        `speculate_below` is read by that default only."""
+        `speculate_below` is read by that default only. `prefix_cache`: finished requests' K/V,
+        restored for a joining request that starts with the same tokens (prefix_cache.py)."""
         if drafter is not None and not 1 <= draft_tokens <= MAX_DRAFT_TOKENS:
             raise SpecdraftError(f"draft_tokens (K) must be between 1 and {MAX_DRAFT_TOKENS}, got {draft_tokens}")
         self.model = model
@@ -66,6 +68,7 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.speculate_below = speculate_below
         self.policy = policy if policy is not None else FixedPolicy(self.width, speculate_below)
+        self.prefix_cache = prefix_cache
         self.timer = Timer(self.device)
         self.waiting: deque[ActiveRow] = deque()
         self.slots: list[ActiveRow] = []  # slots[:n_dec] decode, the rest prefill
@@ -245,6 +248,11 @@ class Engine:
             if self.drafter is not None:
                 self.drafter.reset_row(slot)
             self.tokens[slot, : len(row.req.prompt)] = torch.tensor(row.req.prompt)
+            if self.prefix_cache is not None:
+                snapshot, n = self.prefix_cache.match(row.req.prompt, self.cache)
+                if n:
+                    self.cache.restore_row(slot, snapshot, n)
+                    row.prefilled = row.stats.cached_tokens = n
 
     def _move(self, src: int, dst: int) -> None:
         """Storage of slot src -> slot dst (the host list is the caller's business)."""
@@ -279,7 +287,15 @@ class Engine:
     def _remove_finished(self) -> None:
         # Highest slot first: a row moved into a freed slot is then always a live one.
         for slot in sorted((i for i, r in enumerate(self.slots) if r.done), reverse=True):
+            self._save_prefix(slot)
             self._remove(slot)
+
+    def _save_prefix(self, slot: int) -> None:
+        """Keep a finished row's K/V under the ids of the positions it holds (prefix_cache.py)."""
+        if self.prefix_cache is None:
+            return
+        n = self.cache.host_lengths[slot]
+        self.prefix_cache.save(self.tokens[slot, :n].tolist(), self.cache.snapshot_row(slot))
 
     # --- prefill ------------------------------------------------------------------------------
     def _prefill(self) -> None:

@@ -20,6 +20,7 @@ class RequestStats:
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache rather than prefilled
 
     @property
     def accepted(self) -> int:
@@ -49,6 +50,7 @@ class RequestStats:
             "target_forwards": self.target_forwards,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "cached_prompt_tokens": self.cached_tokens,
         }
 
 

@@ -1,0 +1,84 @@
+"""Saved KV of finished requests, so a request that starts with the same tokens is not prefilled
+again: a conversation's next turn (the chat and the server alike) or a shared system prompt.
+
+When a request leaves the engine, its row's K/V (every position the cache holds, in position
+order; kv_cache.RowSnapshot) is saved under the token ids those positions hold. A joining
+request restores the longest saved prefix of its prompt into its row and prefills only the rest,
+at least its last token: the first new token and the MTP drafter's state come from the target's
+hidden state at the prompt's end, which only a forward gives.
+
+Bounds: entries are kept up to `max_bytes` in all, least recently used evicted first; the memory
+is the engine's apart from any request's KV row. A ring slot (Gemma 4's sliding layers) keeps only
+its last window + max_forward positions, so a snapshot restores a prefix only that far behind its
+end (KVCache.can_restore); a longer one is passed over, never restored wrong.
+
+Reused positions hold exactly the K/V the earlier request computed for those tokens, so the output
+is the one that request's arithmetic gives; a prefill that recomputes them blocks long sums by its
+own chunking (docs/exactness.md), which can round differently in the last bits.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from specdraft.kv_cache import KVCache, RowSnapshot
+
+
+@dataclass
+class _Entry:
+    tokens: list[int]  # the ids of positions 0..len-1
+    snapshot: RowSnapshot
+
+
+class PrefixCache:
+    """Longest-prefix lookup over saved rows, bounded in bytes, least recently used evicted."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._next = 0
+        self.bytes = 0
+        self.hits = 0
+        self.reused_tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def match(self, prompt: list[int], cache: KVCache) -> tuple[RowSnapshot | None, int]:
+        """The saved row and the number of leading positions of `prompt` it restores into `cache`
+        (0: none). At most len(prompt) - 1: the last prompt token is always prefilled."""
+        best, best_n, best_key = None, 0, None
+        for key, e in self._entries.items():
+            n = min(len(os.path.commonprefix([e.tokens, prompt])), len(prompt) - 1, e.snapshot.length)
+            if n > best_n and cache.can_restore(e.snapshot, n):
+                best, best_n, best_key = e.snapshot, n, key
+        if best_key is not None:
+            self._entries.move_to_end(best_key)
+            self.hits += 1
+            self.reused_tokens += best_n
+        return best, best_n
+
+    def save(self, tokens: list[int], snapshot: RowSnapshot) -> None:
+        """Keep `snapshot` (positions 0..len(tokens)-1 of `tokens`); older entries whose tokens it
+        extends are dropped when it restores everything they could."""
+        size = snapshot.nbytes()
+        if size > self.max_bytes or not tokens:
+            return
+        for key, e in list(self._entries.items()):
+            if len(e.tokens) <= len(tokens) and tokens[: len(e.tokens)] == e.tokens and all(
+                    f <= g for f, g in zip(snapshot.first, e.snapshot.first)):
+                self._drop(key)
+        self._entries[self._next] = _Entry(list(tokens), snapshot)
+        self._next += 1
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+    def _drop(self, key: int) -> None:
+        self.bytes -= self._entries.pop(key).snapshot.nbytes()

@@ -59,8 +59,12 @@ def check_drafter_fits_target(model: str, drafter: str, drafter_path: str | None
     # `auto` ignores --drafter-path; a missing path is the loader's own one-line error
     if kind is None or kind.build is None or "mtp" not in kind.parts or not drafter_path:
         return
+    from specdraft.loading import hub
+
     if Path(drafter_path).expanduser().exists():
         check_drafter_fits(Path(drafter_path), model)
+    elif hub.is_hub_id(drafter_path):  # its config.json alone, before either model's weights
+        check_drafter_fits(hub.cached_folder(drafter_path, text_only=False) or hub.config_folder(drafter_path), model)
 
 
 def build_engine(rt: Runtime, drafter: str = "auto", drafter_path: str | None = None,

@@ -91,18 +91,22 @@ class Runtime:
         if weights != "auto":  # a format that cannot run here fails before any work
             resolve_weights(weights, dev, resolve_dtype(dtype, dev, weights), dtype_chosen=dtype == "auto")
             resolve_prefill_dtype(prefill_dtype, weights, False)
-        folder = resolve_model(name_or_path, progress)
-        cfg, shape = describe_folder(folder)
-        blocks = weights == "auto" and _has_blocks(name_or_path, folder)
-        large = matrix_parameters(shape) >= LARGE_MODEL_PARAMETERS
-        dt = resolve_dtype(dtype, dev, weights, gguf_blocks=blocks, large=large)
-        # int8 rows (gguf-q8) where the CPU has the kernel, unless prompts in a float dtype are asked for
-        int8_rows = blocks and prefill_dtype == "auto" and q8_act_linear.kernel_available()
-        fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto", gguf_blocks=blocks, int8_rows=int8_rows,
-                              large=large)
-        prompts = resolve_prefill_dtype(prefill_dtype, fmt, dtype_chosen=dtype == "auto")
-        context = min(context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
-        footprint = check_fits(shape, name_or_path, fmt, dt, context, batch_size)
+        def plan(folder: Path) -> tuple:
+            """Dtype, format and the memory check, from config.json alone (for a Hub id: before its download)."""
+            cfg, shape = describe_folder(folder)
+            blocks = weights == "auto" and _has_blocks(name_or_path, folder)
+            large = matrix_parameters(shape) >= LARGE_MODEL_PARAMETERS
+            dt = resolve_dtype(dtype, dev, weights, gguf_blocks=blocks, large=large)
+            # int8 rows (gguf-q8) where the CPU has the kernel, unless prompts in a float dtype are asked for
+            int8_rows = blocks and prefill_dtype == "auto" and q8_act_linear.kernel_available()
+            fmt = resolve_weights(weights, dev, dt, dtype_chosen=dtype == "auto", gguf_blocks=blocks,
+                                  int8_rows=int8_rows, large=large)
+            prompts = resolve_prefill_dtype(prefill_dtype, fmt, dtype_chosen=dtype == "auto")
+            ctx = min(context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
+            return dt, fmt, prompts, ctx, check_fits(shape, name_or_path, fmt, dt, ctx, batch_size)
+
+        folder = resolve_model(name_or_path, progress, before_download=plan)
+        dt, fmt, prompts, context, footprint = plan(folder)
         model, cfg, notes = load_folder(folder, dt, dev, fmt)
         notes += compact_weights(model, fmt, _source_blocks(name_or_path, folder) if fmt.startswith("gguf") else None)
         if prompts is not None:

@@ -15,7 +15,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"preset name (see `specdraft models`), a Hugging Face folder (config.json + "
-                        f"*.safetensors + tokenizer.json) or a .gguf file (default: {DEFAULT_MODEL})")
+                        f"*.safetensors + tokenizer.json), a .gguf file, or a Hugging Face id org/name[@revision] "
+                        f"(fetched into the Hugging Face cache after the memory check; HF_TOKEN, HF_HUB_OFFLINE "
+                        f"apply) (default: {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="weights and activations; auto = float32 on a CPU for a model from a GGUF file (with "
                         "--weights auto: its own blocks, the fastest CPU path measured) or with --weights fp16/gguf; "
@@ -76,7 +78,9 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     from specdraft.drafters.kinds import DRAFTER_KINDS
 
     p.add_argument("--drafter", default="auto", choices=DRAFTER_KINDS,
-                   help="auto: mtp+ngram with the drafter shipped for this model if there is one, else none "
+                   help="auto: mtp+ngram with the drafter shipped for this model if there is one, or for a Gemma 4 "
+                        "target Google's google/gemma-4-*-it-assistant (from the Hugging Face cache, or fetched "
+                        "unless HF_HUB_OFFLINE; prompt lookup where it cannot be had), else none "
                         "(each round drafts only as many tokens as pay on this machine, see --draft-policy); "
                         "mtp: a Gemma-4-style MTP drafter from --drafter-path (default: the one shipped for the "
                         "model); ngram: prompt lookup (no weights); mtp+ngram: prompt lookup (up to 8 tokens, 3 "
@@ -84,8 +88,8 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
                         "occurred before, the MTP drafter elsewhere; draft-model: a small model sharing the "
                         "tokenizer, from --drafter-path; none: plain decoding")
     p.add_argument("--drafter-path", default=None,
-                   help="mtp, mtp+ngram: drafter folder (config.json + model.safetensors); draft-model: a model "
-                        "name or path as for --model")
+                   help="mtp, mtp+ngram: drafter folder (config.json + model.safetensors) or its Hugging Face id "
+                        "(e.g. google/gemma-4-E2B-it-assistant); draft-model: a model name or path as for --model")
     p.add_argument("--draft-tokens", type=int, default=None,
                    help="tokens drafted per round, K (default: the drafter's recommended K, else 4; "
                         "mtp+ngram: the MTP drafter's K, lookups propose up to 8); with the adaptive "
@@ -103,13 +107,25 @@ def add_policy_arg(p: argparse.ArgumentParser) -> None:
                         "fixed: K every round (on a CPU, plain rounds from 4 decoding rows on)")
 
 
-def add_sampling_args(p: argparse.ArgumentParser) -> None:
+def add_sampling_args(p: argparse.ArgumentParser, max_new_tokens: int = 128) -> None:
     """--max-new-tokens and the sampling flags."""
-    p.add_argument("--max-new-tokens", type=int, default=128, help="stop after this many new tokens (default 128)")
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens,
+                   help=f"stop after this many new tokens (default {max_new_tokens})")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1: off)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (default 0: off)")
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+
+
+def add_stop_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stop", action="append", default=[], help="stop when this string appears (repeatable)")
+
+
+def add_max_context_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-context", type=int, default=None,
+                   help="most positions (prompt + new tokens) a prompt may use; the memory check before loading "
+                        "counts a KV cache this long for each of --batch-size rows, and longer requests are "
+                        "refused (default 4096, capped at the model's context)")
 
 
 def check_draft_tokens(draft_tokens: int | None) -> None:

@@ -7,8 +7,8 @@ import sys
 import time
 from pathlib import Path
 
-from specdraft.cli.args import (add_drafter_args, add_model_args, add_policy_arg, add_sampling_args,
-                                check_draft_tokens, load_target)
+from specdraft.cli.args import (add_drafter_args, add_max_context_arg, add_model_args, add_policy_arg,
+                                add_sampling_args, add_stop_arg, check_draft_tokens, load_target)
 from specdraft.errors import SpecdraftError
 
 # What holds today (README, "Exactness", says the same): rewrite both once bf16 verify is exact.
@@ -34,14 +34,11 @@ def register(sub) -> None:
     add_drafter_args(p)
     add_policy_arg(p)
     add_sampling_args(p)
-    p.add_argument("--stop", action="append", default=[], help="stop when this string appears (repeatable)")
+    add_stop_arg(p)
     p.add_argument("--prompts-file", type=Path,
                    help="one prompt per line, or JSONL with a \"prompt\" field (Spec-Bench files: first turn)")
     p.add_argument("--batch-size", type=int, default=1, help="prompts decoded together (default 1)")
-    p.add_argument("--max-context", type=int, default=None,
-                   help="most positions (prompt + new tokens) a prompt may use; the memory check before loading "
-                        "counts a KV cache this long for each of --batch-size rows, and longer requests are "
-                        "refused (default 4096, capped at the model's context)")
+    add_max_context_arg(p)
     p.add_argument("--chat", action="store_true",
                    help="wrap each prompt in the model's chat template (a model without one gets plain text)")
     p.add_argument("--json", action="store_true",

@@ -29,7 +29,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from specdraft.cli import bench, generate, models, serve, steps, train, weights
+    from specdraft.cli import bench, chat, generate, models, serve, steps, train, weights
 
     parser = OneLineParser(
         prog="specdraft",
@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--debug", action="store_true", help="show the full traceback of any error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in (generate, models, train, bench, steps, weights, serve):
+    for module in (generate, chat, models, train, bench, steps, weights, serve):
         module.register(sub)
     for p in sub.choices.values():  # also after the subcommand; SUPPRESS keeps the global value
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show the traceback of any error")

@@ -1,7 +1,8 @@
 """Every drafter kind `--drafter` names: what it is made of, what --drafter-path names for it,
 and how it is built. The CLI's choices, the bench's methods and the loader all read this table.
 
-    auto        mtp+ngram with the drafter shipped for the model; none if none ships
+    auto        mtp+ngram with the drafter shipped for the model, or for a Gemma 4 target Google's
+                assistant (official.py; prompt lookup where it cannot be had); none otherwise
     none        plain decoding
     mtp         a Gemma-4-style MTP drafter reading the target's KV cache (mtp/)
     mtp+ngram   prompt lookup where the text repeats itself, the MTP drafter elsewhere (mtp_lookup.py)
@@ -84,7 +85,7 @@ def _mtp(b: DrafterSettings) -> tuple[Drafter | None, int]:
             raise SpecdraftError(f"--drafter {b.kind}: no drafter ships for {b.rt.name}; give --drafter-path "
                                  "(a drafter folder, see `specdraft train-drafter`)")
         path = str(shipped)
-    drafter = load_mtp_drafter(Path(path), b.rt.model, b.rt.dtype, b.rt.device)
+    drafter = load_mtp_drafter(resolve_drafter_path(path), b.rt.model, b.rt.dtype, b.rt.device)
     return drafter, b.draft_tokens if b.draft_tokens is not None else drafter.recommended_k or DEFAULT_K
 
 
@@ -126,10 +127,28 @@ MTP_KINDS = tuple(name for name, k in KINDS.items() if "mtp" in k.parts and k.pa
 AUTO_WITH_DRAFTER = "mtp+ngram"  # what `auto` runs where a drafter ships for the model
 
 
-def resolve_auto(model_name: str) -> tuple[str, str | None]:
-    """What `auto` runs for this model: (kind, drafter folder)."""
+def resolve_auto(model_name: str, folder: Path | None = None) -> tuple[str, str | None]:
+    """What `auto` runs for this model (loaded from `folder`): (kind, drafter folder)."""
     shipped = shipped_drafter_path(model_name)
-    return ("none", None) if shipped is None else (AUTO_WITH_DRAFTER, str(shipped))
+    if shipped is not None:
+        return AUTO_WITH_DRAFTER, str(shipped)
+    if folder is not None:
+        from specdraft.drafters.official import assistant_id, find_assistant
+        from specdraft.loading.presets import read_config
+
+        if assistant_id(model_name, read_config(folder), folder) is not None:
+            found = find_assistant(model_name, folder)
+            return (AUTO_WITH_DRAFTER, str(found)) if found is not None else ("ngram", None)
+    return "none", None
+
+
+def resolve_drafter_path(path: str) -> Path:
+    """--drafter-path: a folder or file here, or a Hugging Face id (fetched into its cache)."""
+    from specdraft.loading import hub
+
+    if hub.is_hub_id(path):
+        return hub.resolve(path, text_only=False)
+    return Path(path).expanduser()
 
 
 def load_drafter(rt: Any, kind: str, path: str | None, draft_tokens: int | None,
@@ -138,7 +157,7 @@ def load_drafter(rt: Any, kind: str, path: str | None, draft_tokens: int | None,
     many drafts a round carries is the engine's draft policy; `load_runtime(name, dtype, device)`
     loads a draft model (Runtime.load). K is checked by the engine."""
     if kind == "auto":
-        kind, path = resolve_auto(rt.name)
+        kind, path = resolve_auto(rt.name, getattr(rt, "folder", None))
     if kind not in KINDS:
         raise SpecdraftError(f"unknown drafter kind {kind!r} (use {', '.join(DRAFTER_KINDS)})")
     drafter, k = KINDS[kind].build(DrafterSettings(rt, kind, path, draft_tokens, load_runtime))

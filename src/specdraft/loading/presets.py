@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from specdraft.cache_dir import cache_root
+from specdraft.loading import hub
 from specdraft.errors import SpecdraftError
 
 DEFAULT_MODEL = "gemma3-270m"
@@ -137,7 +138,9 @@ def model_config_dict(name_or_path: str) -> dict:
 
             return gguf_config(gguf)
         folder = Path(name_or_path).expanduser()
-        if not folder.is_dir():
+        if not folder.is_dir() and hub.is_hub_id(name_or_path):
+            folder = hub.cached_folder(name_or_path) or hub.config_folder(name_or_path)  # config.json alone
+        elif not folder.is_dir():
             resolve_model(name_or_path)  # the same one-line refusal a load would give
     return read_config(folder)
 
@@ -155,8 +158,11 @@ def read_config(folder: Path) -> dict:
         raise SpecdraftError(f"{path}: invalid JSON ({e})") from None
 
 
-def resolve_model(name_or_path: str, progress: bool = True) -> Path:
-    """A preset name, a HF folder or a .gguf file -> a HF folder on disk."""
+def resolve_model(name_or_path: str, progress: bool = True,
+                  before_download: Callable[[Path], None] | None = None) -> Path:
+    """A preset name, a HF folder, a .gguf file or a Hugging Face id (`org/name[@revision]`,
+    hub.py) -> a HF folder on disk. `before_download(folder with config.json)` runs before a Hub
+    model's weights are fetched (the memory check); local paths never touch the network."""
     if name_or_path in PRESETS:
         return ensure_preset(name_or_path, progress)
     path = Path(name_or_path).expanduser()
@@ -168,5 +174,8 @@ def resolve_model(name_or_path: str, progress: bool = True) -> Path:
         if path.suffix != ".gguf":
             raise SpecdraftError(f"{path}: expected a .gguf file or a Hugging Face model folder")
         return ensure_gguf(path, progress)
+    if hub.is_hub_id(name_or_path):
+        return hub.resolve(name_or_path, progress, before_download)
     names = ", ".join(PRESETS)
-    raise SpecdraftError(f"unknown model {name_or_path!r}: not a preset ({names}), a folder or a .gguf file")
+    raise SpecdraftError(f"unknown model {name_or_path!r}: not a preset ({names}), a folder, a .gguf file or a "
+                         "Hugging Face id (org/name)")

@@ -108,6 +108,7 @@ class Engine:
                 return self._result(row, "abort")
         for slot, row in enumerate(self.slots):
             if row.req.id == request_id:
+                self._save_prefix(slot)  # what it holds is valid: a stopped chat reply stays reusable
                 self._remove(slot)
                 return self._result(row, "abort")
         return None
@@ -117,6 +118,8 @@ class Engine:
         trusted. Returns the queued requests, which never reached the cache and may be added again."""
         queued = [row.req for row in self.waiting]
         self.cache, self.hidden, self.slots, self.waiting, self.n_dec = None, None, [], deque(), 0
+        if self.prefix_cache is not None:  # nor can what the failing step saved
+            self.prefix_cache.clear()
         return queued
 
     def prepare_policy(self, rows: int) -> None:

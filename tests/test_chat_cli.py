@@ -6,6 +6,7 @@ A tiny Gemma 4 with a chat template (tools/gemma4_tiny.py); never the network.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import pty
@@ -13,6 +14,7 @@ import re
 import select
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -40,13 +42,20 @@ def target(tmp_path_factory):
     return folder
 
 
+def _own_terminal() -> None:
+    """In the child: a session of its own with the pty as its controlling terminal, so that
+    Ctrl-C typed there is a SIGINT to it, as in a real terminal."""
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
 class Terminal:
     """A command on a pty: write keystrokes, read until a pattern shows."""
 
     def __init__(self, argv: list[str], env: dict):
         self.master, slave = pty.openpty()
         self.proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave, env=env, close_fds=True,
-                                     start_new_session=True)
+                                     preexec_fn=_own_terminal)
         os.close(slave)
         self.seen = ""
 

@@ -173,7 +173,7 @@ def _one_line(e: Exception, name: str) -> SpecdraftError:
         return SpecdraftError(f"{name}: no such revision on the Hugging Face Hub")
     if isinstance(e, errors.RepositoryNotFoundError):
         return SpecdraftError(f"{name}: no such model on the Hugging Face Hub (a private one needs HF_TOKEN)")
-    if isinstance(e, errors.RemoteEntryNotFoundError):
+    if isinstance(e, getattr(errors, "RemoteEntryNotFoundError", errors.EntryNotFoundError)):
         return SpecdraftError(f"{name}: the repository has no config.json (not a Hugging Face model)")
     if isinstance(e, errors.OfflineModeIsEnabled) or (isinstance(e, errors.LocalEntryNotFoundError) and offline()):
         return SpecdraftError(f"{name} is not (completely) in the Hugging Face cache and HF_HUB_OFFLINE is set")

@@ -14,6 +14,7 @@ Ctrl-D or /exit quits. A conversation longer than the context drops its oldest t
 
 from __future__ import annotations
 
+import select
 import signal
 import sys
 
@@ -74,36 +75,52 @@ def run(args) -> int:
     chat = Conversation(rt.tokenizer, built.engine, store, args.system)
     print(f"specdraft chat: {args.model}, drafter {built.drafter}. {COMMANDS}; Ctrl-C stops a reply, Ctrl-D quits.",
           file=sys.stderr, flush=True)
-    last = None
+    state = {"last": None}
     while True:
         try:
-            line = input(PROMPT)
-        except EOFError:
-            print()
-            return 0
-        except KeyboardInterrupt:
+            if not step(chat, state, args, sampling, stops, built):
+                return 0
+        except KeyboardInterrupt:  # at the prompt (a reply catches its own): not an exit
             print("\n(/exit or Ctrl-D quits)", flush=True)
-            continue
-        text = line.strip()
-        if not text:
-            continue
-        if text == "/exit":
-            return 0
-        if text == "/reset":
-            chat.reset()
-            last = None
-            print("(conversation cleared)", flush=True)
-            continue
-        if text == "/stats":
-            print(stats_line(last, built.drafter, built.draft_tokens) if last else "(no reply yet)", flush=True)
-            continue
-        if text.startswith("/"):
-            print(f"(unknown command {text.split()[0]}: {COMMANDS})", flush=True)
-            continue
+
+
+def step(chat: "Conversation", state: dict, args, sampling, stops: tuple[str, ...], built) -> bool:
+    """Read one line and act on it; False when the user quits."""
+    line = read_line(PROMPT)
+    if line is None:  # Ctrl-D
+        print()
+        return False
+    text = line.strip()
+    if text == "/exit":
+        return False
+    if text == "/reset":
+        chat.reset()
+        state["last"] = None
+        print("(conversation cleared)", flush=True)
+    elif text == "/stats":
+        last = state["last"]
+        print(stats_line(last, built.drafter, built.draft_tokens) if last else "(no reply yet)", flush=True)
+    elif text.startswith("/"):
+        print(f"(unknown command {text.split()[0]}: {COMMANDS})", flush=True)
+    elif text:
         try:
-            last = chat.turn(text, args.max_new_tokens, sampling, stops)
+            state["last"] = chat.turn(text, args.max_new_tokens, sampling, stops)
         except SpecdraftError as e:  # a turn too long for the context: the conversation goes on
             print(f"specdraft: error: {e}", file=sys.stderr, flush=True)
+    return True
+
+
+def read_line(prompt: str) -> str | None:
+    """A line from stdin, None at its end. On a terminal it waits in short selects, not a blocking
+    read: Ctrl-C's SIGINT may land on one of torch's threads, which does not interrupt a read of
+    the main thread, so the main thread must wake now and then to run the handler."""
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    if sys.stdin.isatty():
+        while not select.select([sys.stdin], [], [], 0.2)[0]:
+            pass
+    line = sys.stdin.readline()
+    return line or None
 
 
 class Conversation:

@@ -3,8 +3,8 @@ download path, against a stand-in for the Hub's HTTP API (tests/hub_standin.py; 
 Hub): the memory check refuses before a byte of weights is fetched, only the text shards are
 fetched, `--drafter auto` pairs Gemma 4's assistant, a prepared cache works offline, and every
 bad input is one line: an unknown id or revision, no network, a gated repository without a
-token, a download cut half-way (resumed where it stopped; a run that gives up leaves a clean
-cache and the next run completes it).
+token, a download cut half-way (retried in the run; a run that gives up leaves a clean cache and
+the next run completes it).
 """
 
 from __future__ import annotations
@@ -167,12 +167,13 @@ def test_no_network_and_offline_without_a_cache_are_one_line(hub, capsys, monkey
     one_line_error(code, err, TARGET, "HF_HUB_OFFLINE")
 
 
-def test_a_download_cut_half_way_resumes_where_it_stopped(hub, capsys):
+def test_a_download_cut_half_way_is_retried_in_the_same_run(hub, capsys):
+    """huggingface_hub retries a cut transfer (with a Range from what it kept, where a chunk of
+    its own size arrived; from the start for a file smaller than that, as here)."""
     hub.cut.add(TEXT_SHARD)
     code, out, err = run(capsys, "generate", "hello world", "--model", TARGET, "--drafter", "none", *FLAGS)
     assert code == 0, err
-    size = len((hub.repos[TARGET] / TEXT_SHARD).read_bytes())
-    assert [r for _, r in hub.downloaded(TEXT_SHARD)] == [None, f"bytes={size // 2}-"]  # the rest only
+    assert len(hub.downloaded(TEXT_SHARD)) == 2 and len(json.loads(out)["token_ids"]) == 6
 
 
 def test_a_download_that_gives_up_is_one_line_and_the_next_run_completes_it(hub, capsys):

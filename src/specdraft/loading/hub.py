@@ -1,7 +1,8 @@
 """Hugging Face Hub ids (`org/name` or `org/name@revision`) -> a folder in the Hugging Face cache.
 
 Everything goes through huggingface_hub: its cache ($HF_HOME, $HF_HUB_CACHE), its progress bars,
-resumable downloads (an interrupted file continues where it stopped on the next run), $HF_TOKEN,
+its retries (a cut transfer is retried in the run; files already fetched stay, so a rerun fetches
+only what is missing), $HF_TOKEN,
 $HF_HUB_OFFLINE and $HF_ENDPOINT (read when a command runs, not when the library was imported).
 A local folder or file never comes here (presets.resolve_model tries them first).
 
@@ -109,7 +110,7 @@ def resolve(name: str, progress: bool = True, before_download: Callable[[Path], 
         if fetch and progress:
             size = sum(f.file_size or 0 for f in fetch)
             print(f"specdraft: fetching {name}: {len(fetch)} file(s), {size / GB:.2f} GB, into the Hugging Face "
-                  "cache (resumable: an interrupted download continues on the next run)", file=sys.stderr, flush=True)
+                  "cache (an interrupted run leaves what it finished: a rerun fetches only the rest)", file=sys.stderr, flush=True)
         path = hub.snapshot_download(repo, revision=rev, allow_patterns=files, **opts)
     except SpecdraftError:
         raise
@@ -188,5 +189,5 @@ def _one_line(e: Exception, name: str) -> SpecdraftError:
         return SpecdraftError(f"{name}: the Hugging Face Hub answered {status}; try again later")
     if isinstance(e, OSError) or "httpx" in type(e).__module__:
         return SpecdraftError(f"downloading {name} failed ({kind}: {' '.join(str(e).split())[:120]}); run the "
-                              "command again to resume it")
+                              "command again: it fetches what is still missing")
     return SpecdraftError(f"{name}: {kind}: {' '.join(str(e).split())[:160]}")

@@ -349,6 +349,7 @@ def test_every_subcommand_refuses_bad_input_in_one_line(capsys, tmp_path) -> Non
     missing = str(tmp_path / "missing")
     cases = {
         "generate": [["generate", "hi", "--temperature", "nan"], ["generate", "hi", "--top-k", "many"]],
+        "chat": [["chat", "--max-new-tokens", "0"], ["chat", "--model", missing], ["chat", "--draft-tokens", "0"]],
         "models": [["models", "--bogus"]],
         "bench": [["bench", "--methods", "nope"], ["bench", "--questions", missing, "--model", missing]],
         "train-drafter": [["train-drafter", "--out", missing, "--prompts", missing, "--steps", "0"],

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from conftest import TinyModel, assert_fp32_close, prompts_of, reduction_depth
-from specdraft.drafters.ngram import NgramDrafter
 from specdraft.loading import load_folder
 from specdraft.models.architectures import decoder
 from specdraft.models.kernels import build
@@ -315,11 +314,11 @@ def test_layer_stack_follows_replaced_and_rewritten_weights(gemma_tiny: TinyMode
 
 def test_pytorch_reference_path_keeps_speculative_equal_to_plain(gemma_tiny: TinyModel, monkeypatch) -> None:
     """Without the kernels (SPECDRAFT_KERNELS=0, or no compiler), the ops' own path stays exact."""
+    from exactness import speculative_equals_plain
+
     monkeypatch.setenv("SPECDRAFT_KERNELS", "0")
     prompts = [p + p[:5] for p in prompts_of([9, 14, 3], gemma_tiny.cfg.vocab_size, seed=7)]
-    plain = Engine(gemma_tiny.ours).generate(prompts, 24, eos_token_ids=[])
-    spec = Engine(gemma_tiny.ours, None, NgramDrafter(), 4).generate(prompts, 24, eos_token_ids=[])
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    speculative_equals_plain(gemma_tiny.ours, prompts, 3, 24, monkeypatch)
 
 
 def test_without_a_compiler_the_model_runs_on_pytorch_ops(gemma_tiny: TinyModel, monkeypatch, tmp_path) -> None:

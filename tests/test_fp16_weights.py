@@ -132,7 +132,7 @@ def test_screened_head_falls_back_on_non_finite_rows() -> None:
     assert 0 <= got[1].item() < 100
 
 
-def test_float32_model_gets_the_screened_head_and_greedy_output_is_unchanged(gemma_tiny: TinyModel) -> None:
+def test_float32_model_gets_the_screened_head_and_greedy_output_is_unchanged(gemma_tiny: TinyModel, monkeypatch) -> None:
     model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
     prompts = repetitive_prompts(gemma_tiny.cfg.vocab_size, 2)
     reference = Engine(model).generate(prompts, 16, eos_token_ids=[])  # full float32 head
@@ -143,17 +143,17 @@ def test_float32_model_gets_the_screened_head_and_greedy_output_is_unchanged(gem
         exact = (hidden.double() @ model.head_weight.double().t()).argmax(-1)
         assert torch.equal(model.greedy_tokens(hidden), exact)
     assert [r.token_ids for r in Engine(model).generate(prompts, 16, eos_token_ids=[])] == [r.token_ids for r in reference]
-    speculative_equals_plain(model, prompts, 2)
+    speculative_equals_plain(model, prompts, 2, monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_fp16_weights_speculative_output_equals_plain(gemma_tiny: TinyModel, batch: int) -> None:
+def test_fp16_weights_speculative_output_equals_plain(gemma_tiny: TinyModel, batch: int, monkeypatch) -> None:
     """The default on CPUs without bf16 units (float32 activations, fp16 weights) is exact."""
     model, _, _ = load_folder(gemma_tiny.folder, torch.float32, "cpu")
     compact_weights(model, "fp16")
     assert screen_head(model) and model.screened_head.fp16_values
     assert any(isinstance(m, Fp16Linear) for m in model.layers.modules())
-    speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size), batch)
+    speculative_equals_plain(model, repetitive_prompts(gemma_tiny.cfg.vocab_size), batch, monkeypatch=monkeypatch)
 
 
 def test_fp16_weights_stay_close_to_float32(gemma_tiny: TinyModel) -> None:
@@ -171,7 +171,7 @@ def test_fp16_weights_stay_close_to_float32(gemma_tiny: TinyModel) -> None:
 
 
 @pytest.mark.slow
-def test_compiled_fp16_step_is_exact_and_matches_eager(gemma_tiny: TinyModel) -> None:
+def test_compiled_fp16_step_is_exact_and_matches_eager(gemma_tiny: TinyModel, monkeypatch) -> None:
     """A compiled step reaches the fp16 weights through the specdraft::fp16_linear op: same
     greedy tokens as eager, and speculative output equal to plain output."""
     from specdraft.models.compile import compile_steps
@@ -186,7 +186,7 @@ def test_compiled_fp16_step_is_exact_and_matches_eager(gemma_tiny: TinyModel) ->
     step = compile_steps(model, announce=False)
     assert [r.token_ids for r in Engine(model).generate(prompts, 16, eos_token_ids=[])] == [r.token_ids for r in eager]
     assert step.compile_seconds > 0
-    speculative_equals_plain(model, prompts, 2)
+    speculative_equals_plain(model, prompts, 2, monkeypatch=monkeypatch)
     # One graph per shape class (batch 1 or more, width 1 or more): positions, key extents and
     # widths that change between steps, or sizes equal by chance, build none of their own.
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 4

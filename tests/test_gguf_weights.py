@@ -297,7 +297,7 @@ def test_gguf_weights_decode_like_the_float32_model(tmp_path: Path, monkeypatch,
             lp, ld = packed.model.logits(packed.model(t, cache_p)), dense.model.logits(dense.model(t, cache_d))
             assert (lp - ld).abs().max().item() < 1e-4
     for batch in (1, 4):  # wide verifications give each row its one-row bits: output equals plain
-        speculative_equals_plain(packed.model, repetitive_prompts(vocab), batch)
+        speculative_equals_plain(packed.model, repetitive_prompts(vocab), batch, monkeypatch=monkeypatch)
 
 
 @kernel
@@ -306,7 +306,6 @@ def test_bf16_prompts_give_a_row_the_same_tokens_alone_or_batched(tmp_path: Path
     and the decode kernels (<= SHORT_FORWARD), batched together, give each row the tokens it gets
     alone (the engine prefills each long chunk in a forward of its own), and speculative decoding
     still equals plain decoding."""
-    from specdraft.drafters.ngram import NgramDrafter
     from specdraft.runtime import Runtime
     from specdraft.speculative.engine import Engine
 
@@ -326,8 +325,7 @@ def test_bf16_prompts_give_a_row_the_same_tokens_alone_or_batched(tmp_path: Path
     # (rows, width) of the prefill forwards: a chunk of > SHORT_FORWARD tokens by itself (its GEMM
     # and attention block their sums by the forward's shape), shorter ones together.
     assert [s for s in shapes if s[1] > 1] == [(1, 40), (1, 256), (2, 12), (1, 17), (1, 44)]
-    spec = Engine(rt.model, drafter=NgramDrafter(), draft_tokens=4, max_batch_size=5)
-    assert [r.token_ids for r in spec.generate(prompts, 12, eos_token_ids=[])] == alone
+    speculative_equals_plain(rt.model, prompts, 5, 12, monkeypatch)
     exact = Runtime.load(str(path), dtype="float32", weights="gguf", progress=False)
     assert exact.prefill_dtype == torch.float32  # --dtype float32 asked for: float32 prompts
     from specdraft.bench.steps import weight_bytes_per_step

@@ -175,7 +175,7 @@ def test_gguf_q8_decodes_near_the_float32_model_and_speculation_is_exact(tmp_pat
             assert torch.nn.functional.kl_div(lq.log_softmax(-1), le.log_softmax(-1), log_target=True,
                                               reduction="batchmean").item() < 2.5e-3
     for batch in (1, 4):  # wide verifications give each row its one-row bits: output equals plain
-        speculative_equals_plain(q8.model, repetitive_prompts(vocab), batch)
+        speculative_equals_plain(q8.model, repetitive_prompts(vocab), batch, monkeypatch=monkeypatch)
     assert one_call_bits_equal_per_op(q8.model, prompts_of([20], vocab, seed=6)[0], monkeypatch, 10)
 
 

@@ -76,7 +76,9 @@ def test_logits_match_past_the_sliding_window(rt: Runtime, hf) -> None:
     assert diff <= TOL
 
 
-def test_greedy_32_tokens_identical_to_transformers_generate(rt: Runtime, hf) -> None:
+def test_greedy_32_tokens_identical_to_transformers_generate(rt: Runtime, hf, monkeypatch) -> None:
+    from exactness import negative_controls
+
     prompts = [rt.tokenizer.encode(p) for p in PROMPTS[:2]]
     ours = Engine(rt.model, rt.tokenizer).generate(prompts, 32)
     spec = Engine(rt.model, rt.tokenizer, NgramDrafter(), 4).generate(prompts, 32)
@@ -88,6 +90,10 @@ def test_greedy_32_tokens_identical_to_transformers_generate(rt: Runtime, hf) ->
         assert len(ref) == 32 or ref[-1] in rt.tokenizer.eos_token_ids
         # Speculative decoding on the real model: the same tokens.
         assert s.token_ids == ref
+    # ... from rounds that really drafted and accepted (the code prompt repeats its names), and
+    # the check fails for a drafter that lands nothing and for a verifier that accepts all.
+    assert sum(s.stats.drafted for s in spec) > 0 and sum(s.stats.accepted for s in spec) > 0
+    negative_controls(rt.model, prompts, 2, monkeypatch, max_new=8)
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +123,7 @@ def test_gguf_weights_decode_as_the_float32_model(rt: Runtime, packed: Runtime) 
     plain = Engine(packed.model, packed.tokenizer).generate(prompts, 32)
     spec = Engine(packed.model, packed.tokenizer, NgramDrafter(), 4).generate(prompts, 32)
     assert [s.token_ids for s in spec] == [p.token_ids for p in plain]
+    assert sum(s.stats.drafted for s in spec) > 0 and sum(s.stats.accepted for s in spec) > 0  # wide rounds ran
 
 
 def test_bf16_prompts_stay_close_to_float32_prompts(packed: Runtime) -> None:

@@ -394,6 +394,7 @@ def test_weights_reports_each_format_against_unquantised(model_dir: Path, tmp_pa
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["weights"] for r in rows] == ["int8", "int4"]
     for r in rows:
-        assert r["tokens"] == 13 + 9 and r["prompts"] == 2  # every position of both texts, BOS included and 0 <= r["greedy_identical"] <= 1
+        assert r["tokens"] == 13 + 9 and r["prompts"] == 2  # every position of both texts, BOS included
+        assert r["greedy_identical"] in (0.0, 0.5, 1.0)  # a share of the 2 prompts
         assert 0 <= r["kl_mean"] < 1 and 0 < r["top1_agreement"] <= 1
     assert rows[0]["kl_mean"] < rows[1]["kl_mean"]  # int8 is closer to the reference than int4

@@ -253,8 +253,57 @@ def test_specdraft_reads_target_and_assistant(written):
     model, mcfg, _ = load_folder(out / "target", torch.float32, "cpu")
     assert mcfg.family == "gemma4" and mcfg.num_layers == cfg["num_hidden_layers"]
     ids = torch.randint(3, cfg["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(1))
+
+    def logits() -> torch.Tensor:
+        with torch.no_grad():
+            return model.logits(model(ids, model.new_cache(1, 16)))
+
     with torch.no_grad():
-        ours = model.logits(model(ids, model.new_cache(1, 16)))
         ref = transformers.Gemma4ForCausalLM.from_pretrained(out / "target", dtype=torch.float32).eval()(ids).logits
-    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)
+    tol = fp32_bound(cfg, ref)
+    diff = (logits() - ref).abs().max().item()
+    print(f"\n[{size}] max |logits diff| {diff:.3g}, bound {tol:.3g}")
+    assert diff <= tol, (diff, tol)
+    # Negative controls: a norm scaled by (1 + w) instead of w, and RoPE rotating the wrong way
+    # (rotate_half's halves swapped), each in every layer, move the logits far past the bound.
+    from specdraft.models.architectures import gemma4
+
+    for bug, target, broken in [
+        ("(1 + w) norm", gemma4.Gemma4RMSNorm, "forward"),
+        ("swapped RoPE halves", gemma4, "apply_rope"),
+    ]:
+        with pytest.MonkeyPatch.context() as m:
+            if broken == "forward":
+                m.setattr(target, broken, _offset_norm)
+            else:
+                m.setattr(target, broken, lambda x, cos, sin: x * cos - x.roll(x.shape[-1] // 2, dims=-1) * sin)
+            wrong = (logits() - ref).abs().max().item()
+        print(f"[{size}] {bug}: max |logits diff| {wrong:.3g}")
+        assert wrong > 10 * tol, (bug, wrong, tol)
     load_mtp_drafter(out / "assistant", model, torch.float32, "cpu")
+
+
+def _offset_norm(self, x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    normed = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+    return (normed * (1.0 + self.weight.float()) if self.weight is not None else normed).type_as(x)
+
+
+def fp32_bound(cfg: dict, ref: torch.Tensor) -> float:
+    """How far two float32 computations of the same logits may drift apart by rounding alone.
+
+    A layer's outputs are dot products over its widths W (the hidden size, the head width, the
+    MLP's intermediate width, doubled where it is double wide, and the routed experts' widths).
+    A sum of n float32 terms, each addition rounding by at most u = eps / 2 with no sign bias,
+    is off by at most lambda x sqrt(n) x u relative to its terms (Higham & Mary's probabilistic
+    bound; lambda = 4 fails with probability under 2 e^-8), and the layers' errors add up along
+    the residual stream. So: 2 eps x layers x sqrt(W) x max |logit|; e.g. 4.6e-4 for E2B's 35
+    layers at these widths, where 1.4e-5 was measured. The worst case, eps x layers x W (the
+    suite's assert_fp32_close), would allow 3.5e-3; a wrong formula moves logits by O(1)."""
+    from conftest import FP32_EPS
+
+    mlp = cfg["intermediate_size"] * (2 if cfg.get("use_double_wide_mlp") else 1)
+    if cfg.get("enable_moe_block"):
+        mlp += cfg["top_k_experts"] * cfg["moe_intermediate_size"]
+    widths = cfg["hidden_size"] + max(cfg["head_dim"], cfg.get("global_head_dim") or 0) + mlp
+    return 2 * FP32_EPS * cfg["num_hidden_layers"] * widths ** 0.5 * float(ref.abs().max())

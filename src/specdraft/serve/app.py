@@ -265,6 +265,11 @@ async def _stream(sink: Sink, job: Prepared, shaper: Shaper, text: TextStream, s
                 yield sse(error(message, error_type(status), code))
                 yield sse("[DONE]")
                 return
+    except Exception as e:  # turning tokens into text failed: an error event, not a cut connection
+        log.exception("streaming a response failed")
+        yield sse(error(f"internal error while streaming the response ({type(e).__name__}); the request was "
+                        "not completed", "server_error", "internal_error"))
+        yield sse("[DONE]")
     finally:
         if not finished:  # the client went away mid-stream: free its row
             worker.abort(job.request.id)

@@ -72,7 +72,7 @@ class Guard:
         except Exception:  # an error no handler caught: JSON, not a traceback
             log.exception("unhandled error")
             if status is None:
-                await send_json(noting_send, 500, error("internal server error", "server_error"))
+                await send_json(noting_send, 500, error("internal server error", "server_error", "internal_error"))
         finally:
             path = scope["path"] if scope["path"] in ENDPOINTS else "other"
             self.metrics.requests.labels(path, str(status or 500)).inc()

@@ -188,7 +188,30 @@ def test_compiled_step_matches_eager_in_float32(gemma_tiny: TinyModel, monkeypat
     assert (got - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
     assert Engine(model).generate(prompts, 16, eos_token_ids=[])[0].token_ids == eager[0].token_ids
     speculative_equals_plain(model, prompts, 1, monkeypatch=monkeypatch)
+    # The MTP drafter beside the compiled target reads its cache (written by index in the graph)
+    # and hidden states: its drafts are accepted, the output is plain output, no graph is added.
+    speculative_equals_plain(model, prompts, 1, monkeypatch=monkeypatch, make_drafter=lambda _: mtp_drafter(model))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2  # batch 1: width 1 and wider
+
+
+def mtp_drafter(model):
+    """A random MTP drafter whose open copy gate gets copies of repeated text accepted (as in
+    test_engine.py's "mtp-gate")."""
+    import tempfile
+    from pathlib import Path
+
+    from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+
+    cfg = drafter_config_for(model, hidden=32, layers=2, heads=4, head="target", clustered=True, num_centroids=16,
+                             top_k_clusters=4)
+    cfg.copy_gate = True
+    net = init_network(cfg, model, seed=3, std=0.1)
+    with torch.no_grad():
+        net.copy_gate.proj.weight.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+        net.copy_gate.proj.bias.fill_(3.0)
+    with tempfile.TemporaryDirectory() as folder:
+        save_network(net, Path(folder))
+        return load_mtp_drafter(Path(folder), model, torch.float32, "cpu")
 
 
 @pytest.mark.slow

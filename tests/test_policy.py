@@ -50,8 +50,9 @@ def policy_for(costs, k: int = 4, width: int | None = None, **kw) -> AdaptivePol
 
 
 def test_free_width_picks_full_k():
-    """Verifying more tokens costs nothing and drafting is free: draft as many as allowed."""
-    p = policy_for(FakeCosts(lambda n, w: 1.0), k=5)
+    """Verifying more tokens costs nothing and drafting is free: draft as many as allowed (once
+    the drafter has shown it lands: no narrow start)."""
+    p = policy_for(FakeCosts(lambda n, w: 1.0), k=5, narrow_start=False)
     assert p.choose([p.new_row("mtp") for _ in range(3)]) == 5
 
 
@@ -64,10 +65,10 @@ def test_expensive_verify_and_low_acceptance_run_plain():
 def test_draft_cost_counts():
     """Cheap verify but a drafter step as dear as a target step: fewer drafts than K."""
     costs = FakeCosts(lambda n, w: 1.0 + 0.05 * (w - 1), lambda n, s: 0.6 * s)
-    p = policy_for(costs, k=6, prior={"mtp": 0.8})
+    p = policy_for(costs, k=6, prior={"mtp": 0.8}, narrow_start=False)
     w = p.choose([p.new_row("mtp")])
     assert 0 < w < 6
-    free = policy_for(FakeCosts(costs.verify), k=6, prior={"mtp": 0.8})
+    free = policy_for(FakeCosts(costs.verify), k=6, prior={"mtp": 0.8}, narrow_start=False)
     assert free.choose([free.new_row("mtp")]) > w
 
 
@@ -280,6 +281,23 @@ def test_a_drafter_that_carries_on_where_it_is_right_is_worth_asking_for_more():
     assert row.continues_accepted["mtp"][0] == pytest.approx(1.0, abs=0.01)
     assert p.expected_tokens(row)[2] == pytest.approx(2.0, abs=0.1)
     assert p.choose([row]) == 2  # 2 tokens for ~1.83 seconds against 1 for 1 (and 1.5 for 1.55)
+
+
+def test_an_unproven_drafter_starts_narrow_and_widens_as_it_lands():
+    """A request whose drafter estimates start from the bare prior asks one draft more than it has
+    seen accepted; a request starting from the engine's pooled evidence, a sampled one or a lookup
+    is not held back."""
+    p = policy_for(FakeCosts(lambda n, w: 1.0), k=5)
+    row = p.new_row("mtp")
+    assert p.choose([row]) == 1
+    p.observe(row, "mtp", 1, 1, requested=1)
+    assert p.choose([row]) == 2
+    p.observe(row, "mtp", 2, 2, requested=2)
+    assert p.choose([row]) == 4
+    assert p.choose([p.new_row("mtp")]) == 5  # the pool has seen drafting rounds: no narrow start
+    fresh = policy_for(FakeCosts(lambda n, w: 1.0), k=5)
+    assert fresh.choose([fresh.new_row("mtp", sampled=True)]) == 5
+    assert fresh.choose([fresh.new_row("lookup")]) == 5
 
 
 def test_fixed_policy_is_k_with_the_row_rule():

@@ -4,6 +4,10 @@
     policy  = adaptive (costs measured here) or fixed                    (speculative/policy.py)
     engine  = Engine(target, drafter, K, policy)
     engine.prepare_policy(rows)   the policy's one-time step timings, before anything is timed or served
+
+With `simulate` (--simulate-acceptance) the drafter is wrapped in drafters/simulated.py: its cost is
+paid, its drafts land as often as the profile says; speculative/simulation.py gives it the plain
+continuations it matches.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from typing import Any
 
 from specdraft.drafters import load_drafter
 from specdraft.drafters.base import Drafter
+from specdraft.drafters.simulated import AcceptanceProfile, SimulatedAcceptance
+from specdraft.errors import SpecdraftError
 from specdraft.runtime import Runtime
 from specdraft.speculative.costs import MeasuredCosts, cost_key
 from specdraft.speculative.engine import Engine
@@ -69,11 +75,16 @@ def check_drafter_fits_target(model: str, drafter: str, drafter_path: str | None
 
 def build_engine(rt: Runtime, drafter: str = "auto", drafter_path: str | None = None,
                  draft_tokens: int | None = None, policy: str = "adaptive", prepare_rows: int | None = None,
-                 progress: bool = False, **engine_kwargs: Any) -> BuiltEngine:
+                 progress: bool = False, simulate: AcceptanceProfile | None = None, simulate_seed: int = 0,
+                 **engine_kwargs: Any) -> BuiltEngine:
     """Load the drafter `drafter` names (a kind of drafters/kinds.py; a draft model is loaded with
     Runtime.load), build the engine, and with `prepare_rows` let the policy measure its step costs
     for batches of that many rows now, so that no timed generation or served request waits on it."""
     found, kind, k = load_drafter(rt, drafter, drafter_path, draft_tokens, load_runtime=Runtime.load)
+    if simulate is not None:
+        if found is None:
+            raise SpecdraftError(f"--simulate-acceptance needs a drafter whose cost to pay (--drafter {kind} runs none)")
+        found = SimulatedAcceptance(found, simulate, simulate_seed)
     engine = engine_for(rt, found, k, policy, progress, **engine_kwargs)
     if prepare_rows is not None:
         engine.prepare_policy(prepare_rows)

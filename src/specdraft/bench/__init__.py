@@ -25,15 +25,26 @@ DEFAULT_METHODS = ("plain", "mtp", "mtp+ngram", "ngram", "draft-model", "hf", "h
 DRAFTER_METHODS = ("auto", *MTP_KINDS)
 
 
+# A drafter method run with simulated acceptance (drafters/simulated.py) is named METHOD~PROFILE,
+# e.g. auto~vllm-26b: the name marks its rows as simulated in every table.
+SIMULATED = "~"
+
+
+def method_profile(name: str) -> str | None:
+    """'auto~vllm-26b' -> 'vllm-26b': the simulated-acceptance profile; None: real acceptance."""
+    _, sep, profile = name.partition(SIMULATED)
+    return profile if sep else None
+
+
 def split_method(name: str) -> tuple[str, str | None]:
     """'mtp@runs/x' -> ('mtp', 'runs/x'); 'auto:gguf-q8' -> ('auto', None); 'plain' -> ('plain', None)."""
-    head, sep, folder = name.partition("@")
+    head, sep, folder = name.partition(SIMULATED)[0].partition("@")
     return head.partition(":")[0], (folder if sep else None)
 
 
 def method_weights(name: str) -> str | None:
     """'auto:gguf-q8@runs/x' -> 'gguf-q8': the weight format the method asks for; None: the run's."""
-    _, sep, weights = name.partition("@")[0].partition(":")
+    _, sep, weights = name.partition(SIMULATED)[0].partition("@")[0].partition(":")
     return weights if sep else None
 
 

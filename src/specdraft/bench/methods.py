@@ -120,7 +120,11 @@ class SpecdraftMethod(Method):
         self.drafter_bytes = drafter.nbytes() if drafter is not None else None
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> BatchOutput:
+        from specdraft.speculative.simulation import prepare_references
+
         self.engine.prepare_policy(len(prompts))  # the adaptive policy's one-time cost profile stays out of the timing
+        # Simulated acceptance: the plain continuations its drafts match, decoded here, untimed.
+        prepare_references(self.engine, prompts, max_new_tokens, (), self.eos_token_ids)
         cuda = self.rt.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
@@ -153,7 +157,8 @@ def measure_load(load):
 
 def build_specdraft(name: str, ctx: BenchContext) -> Method:
     """specdraft plain or with one of its drafters, or raise Skip."""
-    from specdraft.bench import CONTROL, method_weights, split_method
+    from specdraft.bench import CONTROL, method_profile, method_weights, split_method
+    from specdraft.drafters.simulated import parse_profile
     from specdraft.drafters.kinds import AUTO_WITH_DRAFTER, MTP_KINDS, shipped_drafter_path
     from specdraft.engine_builder import build_engine
     from specdraft.loading.presets import PRESETS
@@ -178,12 +183,19 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
     # Named drafters run at their fixed K (the draft policy's yardsticks); `auto` is exactly what
     # --drafter auto does: the adaptive policy picks each round's width from measured costs.
     policy = "adaptive" if base == "auto" else "fixed"
+    spec = method_profile(name)
+    simulate = parse_profile(spec) if spec is not None else None
     try:
-        built, delta = measure_load(lambda: build_engine(rt, kind, path, ctx.draft_tokens, policy))
+        built, delta = measure_load(lambda: build_engine(rt, kind, path, ctx.draft_tokens, policy,
+                                                         simulate=simulate))
     except SpecdraftError as e:
         raise Skip(str(e)) from None
     method = SpecdraftMethod(name, rt, built, ctx.sampling, ctx.eos_token_ids)
     method.load_rss_delta = delta
+    if simulate is not None:
+        method.notes.append(f"SIMULATED acceptance {simulate.name} (cumulative by position "
+                            f"{', '.join(f'{p:g}' for p in simulate.cumulative)}: {simulate.source}); the drafter "
+                            "runs and is paid for, its drafts match the plain output that often")
     drafter, kind, k = built.engine.drafter, built.drafter, built.draft_tokens
     if base == "auto":
         method.notes.append(f"auto = {kind}" + ("; adaptive draft width per round (0 = plain) from step costs "

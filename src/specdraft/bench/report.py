@@ -201,6 +201,7 @@ def markdown(payload: dict) -> str:
         + f", {cfg['repeats']} repeat(s), one warm-up generation per method and batch size",
         f"- run: {payload['created']}, {payload['elapsed_seconds']:.0f} s",
         *_bandwidth_line(payload),
+        *_simulated_line(payload),
         "",
         "tok/s is Spec-Bench's: the mean over prompts of new tokens / seconds. Speedup is a method's mean rate "
         f"over specdraft `{payload['summary']['reference']}`'s in the same run (methods interleaved batch by batch). "
@@ -219,6 +220,18 @@ def markdown(payload: dict) -> str:
         out += ["", f"## Batch size {bs}", "", markdown_table(OVERALL_HEADERS, overall_rows(payload, bs))]
     out += _detail_sections(payload, sizes)
     return "\n".join(out) + "\n"
+
+
+def _simulated_line(payload: dict) -> list[str]:
+    """Methods named METHOD~PROFILE ran with simulated acceptance: say so before any table."""
+    sims = {name: info["simulated_acceptance"] for name, info in payload["methods"].items()
+            if info.get("simulated_acceptance")}
+    if not sims:
+        return []
+    what = "; ".join(f"`{name}`: {s['profile']} ({', '.join(f'{p:g}' for p in s['cumulative'])})"
+                     for name, s in sims.items())
+    return [f"- **SIMULATED acceptance** (not measured: the drafter runs and is paid for, its drafts match "
+            f"the plain output at these cumulative shares by position): {what}"]
 
 
 def _detail_sections(payload: dict, sizes: list[str]) -> list[str]:

@@ -24,6 +24,7 @@ from specdraft.bench.questions import (DEFAULT_QUESTIONS, PLAIN_TEMPLATE, Questi
                                        read_questions, select)
 from specdraft.bench.steps import weight_bytes_per_step
 from specdraft.device import dtype_name, set_threads
+from specdraft.drafters.simulated import SimulatedAcceptance
 from specdraft.errors import SpecdraftError
 from specdraft.loading.presets import DEFAULT_MODEL
 from specdraft.sampling import SamplingParams
@@ -259,7 +260,9 @@ def _method_infos(methods: list[Method], target_bytes: int) -> dict:
             share = 100 * rounds["lookup"] / sum(rounds.values())
             m.notes.append(f"prompt lookup drafted {share:.0f}% of row-rounds, the MTP drafter the rest "
                            "(warm-up included)")
+        sim = drafter if isinstance(drafter, SimulatedAcceptance) else None
         infos[m.name] = {
+            "simulated_acceptance": None if sim is None else {**sim.profile.describe(), "diverged_requests": sim.diverged},
             "draft_tokens": m.draft_tokens,
             "max_batch_size": m.max_batch_size,
             "notes": m.notes,

@@ -136,3 +136,17 @@ def check_draft_tokens(draft_tokens: int | None) -> None:
         raise SpecdraftError(f"--draft-tokens must be >= 1, got {draft_tokens}")
     if draft_tokens is not None and draft_tokens > MAX_DRAFT_TOKENS:
         raise SpecdraftError(f"--draft-tokens must be between 1 and {MAX_DRAFT_TOKENS}, got {draft_tokens}")
+
+
+def add_simulation_arg(p: argparse.ArgumentParser) -> None:
+    """--simulate-acceptance: the drafter's cost with a chosen acceptance (drafters/simulated.py)."""
+    from specdraft.drafters.simulated import PROFILE_NAMES
+
+    p.add_argument("--simulate-acceptance", default=None, metavar="PROFILE|P1,P2,...",
+                   help="SIMULATED acceptance, for weights whose drafter cannot land (random weights at real "
+                        "sizes): the drafter runs and is paid for, but draft i matches the target's own plain "
+                        "continuation (decoded first, untimed) as often as the profile says; the output is still "
+                        "the target's. A profile (" + ", ".join(PROFILE_NAMES) + ": published acceptance, "
+                        "sources in specdraft/drafters/acceptance_profiles.json) or per-position shares of "
+                        "rounds whose first i drafts were all accepted, e.g. 0.84,0.60,0.39,0.27. Greedy only; "
+                        "every report marks the run as simulated")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from specdraft.cli.args import check_draft_tokens
+from specdraft.cli.args import add_simulation_arg, check_draft_tokens
 from specdraft.errors import SpecdraftError
 
 
@@ -52,6 +52,9 @@ def register(sub) -> None:
   llama-cpp      llama-cpp-python on the same GGUF; batch size 1 only; optional, build with:
                  {LLAMA_CPP_BUILD}
   llama-cpp-pld  llama-cpp-python with its prompt-lookup draft model; batch size 1 only
+  METHOD~PROFILE a drafter method with SIMULATED acceptance (e.g. auto~vllm-26b; see
+                 --simulate-acceptance): the drafter runs, its drafts match the plain output
+                 as often as the profile says; the output is still the target's
 A method whose dependency is missing is reported as skipped.
 
 prompt format: the model's chat template when it has one, else the plain template
@@ -99,6 +102,7 @@ prompt format: the model's chat template when it has one, else the plain templat
                    help="measure nothing: rebuild FOLDER's results.md, plots and the summary in its results.json "
                         "from the run's raw records with this version's tables (e.g. a run from an older version)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_simulation_arg(p)
     p.set_defaults(run=run)
 
 
@@ -117,6 +121,7 @@ def run(args) -> int:
             raise SpecdraftError("no --questions file given, and Spec-Bench's questions ship only with a clone of the "
                                  "repository (benchmarks/spec_bench/question.jsonl); pass --questions FILE")
         args.questions = DEFAULT_QUESTIONS
+    args.methods = _simulated_methods(args)
     unknown = [m for m in args.methods if split_method(m)[0] not in ALL_METHODS]
     if unknown:
         raise SpecdraftError(f"unknown method(s) {', '.join(unknown)} (choose from {', '.join(ALL_METHODS)})")
@@ -142,6 +147,30 @@ def run(args) -> int:
     )
     _print_outputs("wrote", args.out, run_bench(cfg))
     return 0
+
+
+def _simulated_methods(args) -> list[str]:
+    """--simulate-acceptance P names every drafter method METHOD~P (plain and the peers stay as they
+    are); each METHOD~PROFILE is checked: a specdraft method with a drafter, a known profile, greedy."""
+    from specdraft.bench import CONTROL, SIMULATED, SPECDRAFT_METHODS, method_profile, split_method
+    from specdraft.drafters.simulated import parse_profile
+
+    real = ("plain", CONTROL)
+    methods = list(args.methods)
+    if args.simulate_acceptance is not None:
+        parse_profile(args.simulate_acceptance)
+        methods = [m if split_method(m)[0] in real or split_method(m)[0] not in SPECDRAFT_METHODS
+                   or method_profile(m) is not None else f"{m}{SIMULATED}{args.simulate_acceptance}" for m in methods]
+    for m in methods:
+        profile = method_profile(m)
+        if profile is None:
+            continue
+        if split_method(m)[0] in real or split_method(m)[0] not in SPECDRAFT_METHODS:
+            raise SpecdraftError(f"method {m}: only specdraft's drafter methods take a simulated acceptance (~PROFILE)")
+        parse_profile(profile)
+        if args.temperature != 0:
+            raise SpecdraftError(f"method {m}: simulated acceptance needs greedy decoding (--temperature 0)")
+    return methods
 
 
 def _print_outputs(verb: str, out: Path, payload: dict) -> None:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from specdraft.cli.args import (add_drafter_args, add_max_context_arg, add_model_args, add_policy_arg,
-                                add_sampling_args, add_stop_arg, check_draft_tokens, load_target)
+                                add_sampling_args, add_simulation_arg, add_stop_arg, check_draft_tokens, load_target)
 from specdraft.errors import SpecdraftError
 
 # What holds today (README, "Exactness", says the same): rewrite both once bf16 verify is exact.
@@ -34,6 +34,7 @@ def register(sub) -> None:
     add_drafter_args(p)
     add_policy_arg(p)
     add_sampling_args(p)
+    add_simulation_arg(p)
     add_stop_arg(p)
     p.add_argument("--prompts-file", type=Path,
                    help="one prompt per line, or JSONL with a \"prompt\" field (Spec-Bench files: first turn)")
@@ -60,19 +61,21 @@ def collect_prompts(args) -> list[str]:
     return [args.prompt]
 
 
-def summary_line(result_stats, seconds: float, drafter: str, k: int) -> str:
+def summary_line(result_stats, seconds: float, drafter: str, k: int, simulated: str | None = None) -> str:
     s = result_stats
     rate = s.new_tokens / seconds if seconds > 0 else 0.0
     line = f"[specdraft] {s.new_tokens} tokens in {seconds:.2f} s ({rate:.1f} tok/s)"
     if drafter == "none":
         return line + " | plain decoding"
     acc = " ".join("-" if a is None else f"{a:.2f}" for a in s.acceptance_by_position)
-    return line + f" | drafter {drafter} K={k} | tau {s.mean_accepted:.2f} | acceptance by position {acc}"
+    sim = f" (SIMULATED: {simulated})" if simulated else ""
+    return line + f" | drafter {drafter} K={k} | tau {s.mean_accepted:.2f} | acceptance by position {acc}{sim}"
 
 
 def run(args) -> int:
     from specdraft.engine_builder import build_engine
     from specdraft.sampling import SamplingParams
+    from specdraft.speculative.simulation import prepare_references, simulated_drafter
     from specdraft.speculative.stats import merge
 
     if args.batch_size < 1:
@@ -85,12 +88,14 @@ def run(args) -> int:
         raise SpecdraftError("--stop needs a non-empty string (an empty one would stop at once)")
     check_draft_tokens(args.draft_tokens)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    profile = _simulation(args, sampling)
     prompts = collect_prompts(args)
     rt = load_target(args)
     # The adaptive policy's one-time step timings happen here, outside the speed summary.
     built = build_engine(rt, args.drafter, args.drafter_path, args.draft_tokens, args.draft_policy,
-                         prepare_rows=min(args.batch_size, len(prompts)), progress=True)
+                         prepare_rows=min(args.batch_size, len(prompts)), progress=True, simulate=profile)
     engine, kind, k = built.engine, built.drafter, built.draft_tokens
+    simulated = profile.name if profile is not None else None
     for note in ignored_flags(args, kind):
         print(f"specdraft: note: {note}", file=sys.stderr)
     if args.chat and rt.tokenizer.chat_template is None:
@@ -106,22 +111,39 @@ def run(args) -> int:
                 raise SpecdraftError(f"prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds "
                                      f"{_context_limit(rt, args.max_context)}")
         on_tokens = _streamer(rt.tokenizer) if stream else None
+        prepare_references(engine, ids, args.max_new_tokens, tuple(args.stop))  # simulated runs only: untimed
         t0 = time.perf_counter()
         results = engine.generate(ids, args.max_new_tokens, sampling, tuple(args.stop), on_tokens=on_tokens,
                                   on_prefill=_prefill_progress(sum(map(len, ids))))
         for j, (prompt, r) in enumerate(zip(batch, results)):
             all_stats.append(r.stats)
             if args.json:
-                print(json.dumps({**_record(prompt, r, rt, kind, k), "memory": memory_split(rt, engine)}), flush=True)
+                record = {**_record(prompt, r, rt, kind, k), "memory": memory_split(rt, engine)}
+                if (sim := simulated_drafter(engine)) is not None:
+                    record["simulated_acceptance"] = {**sim.profile.describe(), "diverged_requests": sim.diverged}
+                print(json.dumps(record), flush=True)
             elif stream:
                 print(flush=True)
-                print(summary_line(r.stats, r.seconds, kind, k), file=sys.stderr)
+                print(summary_line(r.stats, r.seconds, kind, k, simulated), file=sys.stderr)
             else:
                 print(f"=== prompt {start + j + 1} ===\n{r.text}", flush=True)
         if not args.json and not stream:
             total = merge([r.stats for r in results])
-            print(summary_line(total, time.perf_counter() - t0, kind, k), file=sys.stderr)
+            print(summary_line(total, time.perf_counter() - t0, kind, k, simulated), file=sys.stderr)
     return 0
+
+
+def _simulation(args, sampling):
+    """--simulate-acceptance parsed and checked before anything loads (None: not asked for)."""
+    from specdraft.drafters.simulated import parse_profile
+
+    if args.simulate_acceptance is None:
+        return None
+    if not sampling.greedy:
+        raise SpecdraftError("--simulate-acceptance needs greedy decoding (--temperature 0)")
+    if args.drafter == "none":
+        raise SpecdraftError("--simulate-acceptance needs a drafter whose cost to pay (--drafter none runs none)")
+    return parse_profile(args.simulate_acceptance)
 
 
 LONG_PROMPT = 4096  # prompt tokens from which the prefill's progress is shown (tens of seconds at E2B size)

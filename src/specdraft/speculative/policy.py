@@ -80,8 +80,11 @@ class AdaptivePolicy(DraftPolicy):
     draft(n, steps) -> seconds (costs.MeasuredCosts; tests pass their own)."""
 
     def __init__(self, costs, prior: dict[str, float | tuple[float, ...]] | None = None, margin: float = MARGIN,
-                 batch_margin: float = BATCH_MARGIN, steady_sources: tuple[str, ...] = STEADY_SOURCES):
+                 batch_margin: float = BATCH_MARGIN, steady_sources: tuple[str, ...] = STEADY_SOURCES,
+                 narrow_start: bool = True):
+        """`narrow_start`: a request whose drafter is unproven starts narrow (AcceptanceEstimates.width_cap)."""
         self.costs, self.margin, self.batch_margin = costs, margin, batch_margin
+        self.narrow_start = narrow_start
         self.estimates = AcceptanceEstimates(prior, steady_sources)
 
     @property
@@ -131,9 +134,12 @@ class AdaptivePolicy(DraftPolicy):
         # those rows' positions reach the head (verify_greedy_blockwise, sampled_probs_blockwise).
         block = SAMPLED_HEAD_BLOCK if any(s.sampled for s in states) else HEAD_BLOCK
         alive = [float(n)] + [0.0] * (self.width // block)
+        cap = 0  # the widest any row may ask: rows whose drafter is unproven start narrow (width_cap)
         for s in states:
             source = s.next_source
             tokens, drafts = self.estimates.expected(s, source)
+            row_cap = self.estimates.width_cap(s, source) if self.narrow_start else None
+            cap = max(cap, self.width if row_cap is None else row_cap)
             for w in range(self.width + 1):
                 gains[w] += tokens[w]
                 widths[w] = max(widths[w], drafts[w])
@@ -143,7 +149,7 @@ class AdaptivePolicy(DraftPolicy):
                 alive[b // block] += tokens[b] - tokens[b - 1]  # this row still unrejected there
         margin = self.margin if n == 1 else max(self.margin, self.batch_margin)
         best, best_rate = 0, n / self.costs.verify(n, 1, alive[:1], block) * (1 + margin)
-        for w in range(1, self.width + 1):
+        for w in range(1, min(cap, self.width) + 1):
             draft = self.costs.draft(n, steps[w]) if steps[w] > 0 else 0.0
             rate = gains[w] / (draft + self.costs.verify(n, widths[w] + 1, alive, block))
             if rate > best_rate:

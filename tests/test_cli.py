@@ -21,7 +21,8 @@ from specdraft.tokenizer import Tokenizer
 
 FLAGS = ["--model", "--dtype", "--device", "--drafter", "--drafter-path", "--draft-tokens", "--draft-policy",
          "--max-new-tokens", "--temperature", "--top-p", "--top-k", "--seed", "--stop", "--prompts-file",
-         "--batch-size", "--max-context", "--chat", "--json", "--weights", "--prefill-dtype", "--threads", "--compile"]
+         "--batch-size", "--max-context", "--chat", "--json", "--weights", "--prefill-dtype", "--threads", "--compile",
+         "--simulate-acceptance"]
 JSON_FIELDS = ["prompt", "text", "token_ids", "new_tokens", "seconds", "tokens_per_second", "model", "dtype",
                "drafter", "draft_tokens", "mean_accepted", "acceptance_by_position", "target_forwards"]
 

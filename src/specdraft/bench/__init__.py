@@ -3,6 +3,7 @@
 questions.py  input files and prompt formatting
 methods.py    the one interface every method runs behind, and specdraft's own (plain/mtp/mtp+ngram/ngram/draft-model)
 peers.py      the same weights through transformers (hf, hf-pld) and llama.cpp (llama-cpp, llama-cpp-pld)
+llama_server.py, llama_native.py  llama.cpp's own server (and its MTP drafting, llama-cpp-mtp), built once
 memory.py     resident memory: load deltas and peaks while generating
 metrics.py    pure arithmetic on the raw records
 report.py     results.json, results.md and the printed table
@@ -16,7 +17,7 @@ from specdraft.drafters.kinds import DRAFTER_KINDS, MTP_KINDS
 # what timing noise alone reads there (the yardstick for a cell where a method looks slower than plain).
 CONTROL = "plain-again"
 SPECDRAFT_METHODS = ("plain", *(kind for kind in DRAFTER_KINDS if kind != "none"), CONTROL)
-PEER_METHODS = ("hf", "hf-pld", "llama-cpp", "llama-cpp-pld")
+PEER_METHODS = ("hf", "hf-pld", "llama-cpp", "llama-cpp-pld", "llama-cpp-mtp")
 ALL_METHODS = SPECDRAFT_METHODS + PEER_METHODS
 DEFAULT_METHODS = ("plain", "mtp", "mtp+ngram", "ngram", "draft-model", "hf", "hf-pld", "llama-cpp", "llama-cpp-pld")
 # Methods that read an MTP drafter take another one as METHOD@FOLDER (e.g. mtp@runs/more), so two

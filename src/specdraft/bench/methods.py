@@ -186,8 +186,8 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
     spec = method_profile(name)
     simulate = parse_profile(spec) if spec is not None else None
     try:
-        built, delta = measure_load(lambda: build_engine(rt, kind, path, ctx.draft_tokens, policy,
-                                                         simulate=simulate))
+        sim = {"simulate": simulate} if simulate is not None else {}
+        built, delta = measure_load(lambda: build_engine(rt, kind, path, ctx.draft_tokens, policy, **sim))
     except SpecdraftError as e:
         raise Skip(str(e)) from None
     method = SpecdraftMethod(name, rt, built, ctx.sampling, ctx.eos_token_ids)

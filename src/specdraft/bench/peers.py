@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from specdraft.bench import LLAMA_CPP_BUILD
+from specdraft.bench import LLAMA_CPP_BUILD, method_profile, split_method
 from specdraft.bench.methods import BatchOutput, BenchContext, Method, RowOutput, Skip, cut_at_eos, measure_load
 
 PLD_MAX_NGRAM = 3  # the same longest n-gram specdraft's ngram drafter matches
@@ -32,7 +32,7 @@ LLAMA_CPP_N_BATCH = 512  # llama-cpp-python's default n_batch (and n_ubatch)
 def build(name: str, ctx: BenchContext) -> Method:
     if name in ("hf", "hf-pld"):
         return _build_hf(name, ctx)
-    if name in ("llama-cpp", "llama-cpp-pld"):
+    if name in ("llama-cpp", "llama-cpp-pld") or split_method(name)[0] == "llama-cpp-mtp":
         return _build_llama_cpp(name, ctx)
     raise Skip(f"unknown peer {name!r}")
 
@@ -247,6 +247,18 @@ class LlamaCppMethod(Method):
 
 
 def _build_llama_cpp(name: str, ctx: BenchContext) -> Method:
+    """llama.cpp's own server where a native build is found (bench/llama_server.py; the only way
+    to its MTP drafting), else llama-cpp-python's wheel in-process."""
+    from specdraft.bench.llama_server import build_llama_server
+    from specdraft.drafters.simulated import parse_profile
+
+    if ctx.rt.device.type != "cpu":
+        raise Skip("llama-cpp is compared on CPU runs only (this build is CPU-only)")
+    spec = method_profile(name)
+    served = build_llama_server(name, ctx, gguf_for(ctx), torch.get_num_threads(),
+                                parse_profile(spec) if spec is not None else None)
+    if served is not None:
+        return served
     try:
         import llama_cpp
     except ImportError:

@@ -161,7 +161,7 @@ def build_method(name: str, ctx: BenchContext) -> Method:
     """Build one method or raise Skip. Peers' imports (transformers, llama.cpp) are optional."""
     if split_method(name)[0] in SPECDRAFT_METHODS:
         return build_specdraft(name, ctx)
-    if name in PEER_METHODS:
+    if split_method(name)[0] in PEER_METHODS:
         return peers.build(name, ctx)
     raise SpecdraftError(f"unknown method {name!r} (choose from {', '.join(ALL_METHODS)})")
 

@@ -52,6 +52,10 @@ def register(sub) -> None:
   llama-cpp      llama-cpp-python on the same GGUF; batch size 1 only; optional, build with:
                  {LLAMA_CPP_BUILD}
   llama-cpp-pld  llama-cpp-python with its prompt-lookup draft model; batch size 1 only
+                 (both run llama.cpp's own llama-server instead where a native build is found:
+                 python tools/llama_cpp_native.py build SOURCE)
+  llama-cpp-mtp  llama-server --spec-type draft-mtp with the assistant (--drafter-path, converted
+                 once: python tools/llama_cpp_native.py convert-assistant FOLDER --source SOURCE)
   METHOD~PROFILE a drafter method with SIMULATED acceptance (e.g. auto~vllm-26b; see
                  --simulate-acceptance): the drafter runs, its drafts match the plain output
                  as often as the profile says; the output is still the target's
@@ -155,18 +159,21 @@ def _simulated_methods(args) -> list[str]:
     from specdraft.bench import CONTROL, SIMULATED, SPECDRAFT_METHODS, method_profile, split_method
     from specdraft.drafters.simulated import parse_profile
 
-    real = ("plain", CONTROL)
+    def simulated(m: str) -> bool:  # specdraft's drafter methods and llama.cpp's MTP
+        base = split_method(m)[0]
+        return base == "llama-cpp-mtp" or (base in SPECDRAFT_METHODS and base not in ("plain", CONTROL))
+
     methods = list(args.methods)
     if args.simulate_acceptance is not None:
         parse_profile(args.simulate_acceptance)
-        methods = [m if split_method(m)[0] in real or split_method(m)[0] not in SPECDRAFT_METHODS
-                   or method_profile(m) is not None else f"{m}{SIMULATED}{args.simulate_acceptance}" for m in methods]
+        methods = [f"{m}{SIMULATED}{args.simulate_acceptance}" if simulated(m) and method_profile(m) is None else m
+                   for m in methods]
     for m in methods:
         profile = method_profile(m)
         if profile is None:
             continue
-        if split_method(m)[0] in real or split_method(m)[0] not in SPECDRAFT_METHODS:
-            raise SpecdraftError(f"method {m}: only specdraft's drafter methods take a simulated acceptance (~PROFILE)")
+        if not simulated(m):
+            raise SpecdraftError(f"method {m}: only drafter methods take a simulated acceptance (~PROFILE)")
         parse_profile(profile)
         if args.temperature != 0:
             raise SpecdraftError(f"method {m}: simulated acceptance needs greedy decoding (--temperature 0)")

@@ -93,7 +93,8 @@ def run(args) -> int:
     rt = load_target(args)
     # The adaptive policy's one-time step timings happen here, outside the speed summary.
     built = build_engine(rt, args.drafter, args.drafter_path, args.draft_tokens, args.draft_policy,
-                         prepare_rows=min(args.batch_size, len(prompts)), progress=True, simulate=profile)
+                         prepare_rows=min(args.batch_size, len(prompts)), progress=True,
+                         **({"simulate": profile} if profile is not None else {}))
     engine, kind, k = built.engine, built.drafter, built.draft_tokens
     simulated = profile.name if profile is not None else None
     for note in ignored_flags(args, kind):

@@ -52,7 +52,7 @@ def prepare(raw: bytes, chat: bool, served: ServedModel) -> Prepared:
     ids = encode(served.tokenizer, text, add_special_tokens=not chat)  # a template writes its own BOS
     if max_tokens is None:  # chat: the rest of the context (OpenAI's default); completions: 16
         max_tokens = max(1, room - len(ids)) if chat else DEFAULT_COMPLETION_TOKENS
-    req = EngineRequest(ids, max_tokens, params, stops)
+    req = EngineRequest(ids, max_tokens, params, stops, speculative=body.speculative)
     try:
         served.engine.check(req)
     except SpecdraftError as e:

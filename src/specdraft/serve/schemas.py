@@ -87,6 +87,7 @@ class SamplingFields(_Strict):
     presence_penalty: float = Field(0.0, ge=0, le=0)  # accepted only at their neutral value
     frequency_penalty: float = Field(0.0, ge=0, le=0)
     logprobs: bool | int | None = None
+    speculative: bool = True  # extension: false = this request never drafts (same output, plain speed)
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

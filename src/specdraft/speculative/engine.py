@@ -370,7 +370,9 @@ class Engine:
         cache = self.cache.rows(0, n)
         last, position = self.last[:n], self.position[:n]
         with timer.phase("draft"):
-            width = self.policy.choose([r.acceptance for r in rows]) if self.drafter is not None else 0
+            # Rows that asked for no drafting (Request.speculative) take no part in the choice.
+            drafting = [r.acceptance for r in rows if r.req.speculative]
+            width = self.policy.choose(drafting) if self.drafter is not None and drafting else 0
             draft = self._draft(DraftInput(last, self.hidden[:n], position, cache, self.tokens[:n], self.ones[:n]),
                                 rows, width)
         kk = draft.tokens.shape[1]
@@ -426,8 +428,11 @@ class Engine:
         if self.drafter is None or width == 0:
             return Draft(inp.last_token.new_zeros(n, 0), inp.last_token.new_zeros(n))
         k = min(width, self.k)
-        draft = self.drafter.propose(inp, k, *draft_sampling(rows))
-        return _truncate(draft, width)
+        draft = _truncate(self.drafter.propose(inp, k, *draft_sampling(rows)), width)
+        if not all(r.req.speculative for r in rows):  # their drafts are filler: none is accepted
+            asked = torch.tensor([r.req.speculative for r in rows], device=self.device)
+            draft.num_valid = torch.where(asked, draft.num_valid, 0)
+        return draft
 
     # --- output -------------------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:

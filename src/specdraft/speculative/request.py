@@ -53,6 +53,9 @@ class Request:
     # Called after each step that emitted tokens for this request: (new ids, their SOURCES).
     on_tokens: Callable[[list[int], list[str]], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
+    # False: this request never drafts (a server request's "speculative": false); the output is
+    # the same either way, only the speed differs.
+    speculative: bool = True
 
 
 @dataclass

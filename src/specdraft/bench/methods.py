@@ -193,6 +193,8 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
     method = SpecdraftMethod(name, rt, built, ctx.sampling, ctx.eos_token_ids)
     method.load_rss_delta = delta
     if simulate is not None:
+        # One plain pass per prompt for every simulated method on this target, not one each.
+        built.engine.drafter.references = ctx.shared.setdefault(("simulation references", id(rt)), {})
         method.notes.append(f"SIMULATED acceptance {simulate.name} (cumulative by position "
                             f"{', '.join(f'{p:g}' for p in simulate.cumulative)}: {simulate.source}); the drafter "
                             "runs and is paid for, its drafts match the plain output that often")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -44,7 +45,7 @@ class LlamaServerMethod(Method):
         super().__init__()
         self.name, self.ctx, self.draft_tokens = name, ctx, draft_tokens
         self.port = _free_port()
-        self.log = open(Path(ctx.shared.setdefault("llama_server_logs", "/dev/null")), "ab")
+        self.log = tempfile.TemporaryFile()  # its output, quoted when it fails
         cmd = [str(binary), "--host", "127.0.0.1", "--port", str(self.port), "-np", "1", "--no-webui", *args]
         self.cmd = cmd
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=binary_env(binary))
@@ -58,8 +59,10 @@ class LlamaServerMethod(Method):
         deadline = time.time() + START_TIMEOUT
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                self.log.seek(0)
+                tail = self.log.read().decode(errors="replace").strip().splitlines()[-3:]
                 raise Skip(f"llama-server exited with code {self.proc.returncode} while loading "
-                           f"({' '.join(self.cmd[1:])})")
+                           f"({' '.join(self.cmd[1:])}): {' | '.join(tail)}")
             try:
                 with urllib.request.urlopen(self._url("/health"), timeout=5) as r:
                     if r.status == 200:

@@ -262,3 +262,32 @@ def test_bench_names_and_reports_simulated_methods(rt, drafter_dir, tmp_path):
     assert methods["mtp~vllm-26b"]["overall"]["identical_rate"] == 1.0
     assert methods["mtp~zero"]["overall"]["identical_rate"] == 1.0
     assert "SIMULATED acceptance" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_llama_cpp_peers_arguments(tmp_path, monkeypatch):
+    """llama-server's flags for each llama.cpp peer, the simulated profile as llama.cpp's own
+    unconditional rates; without a native build the plain peers fall back to the wheel and the MTP
+    peer is skipped with the command that builds one."""
+    from specdraft.bench import llama_native
+    from specdraft.bench.llama_server import build_llama_server, server_args
+    from specdraft.bench.methods import BenchContext, Skip
+    from specdraft.sampling import SamplingParams
+
+    draft = tmp_path / "assistant.gguf"
+    draft.write_bytes(b"GGUF")
+    ctx = BenchContext(rt=None, sampling=SamplingParams(), draft_tokens=4, drafter_path=str(draft), n_ctx=256)
+    args, k = server_args("llama-cpp-mtp", ctx, Path("t.gguf"), 2, shipped_profiles()["e2b-m4"])
+    at = args.index("--spec-type")
+    assert args[at + 1] == "draft-mtp" and args[args.index("-md") + 1] == str(draft) and k == 4
+    rates = [float(r) for r in args[args.index("--spec-synth-rates") + 1].split(",")]
+    assert rates[:3] == pytest.approx([0.65, 0.42, 0.28], abs=2e-3) and len(rates) == 4 and rates[3] < rates[2]
+    assert server_args("llama-cpp", ctx, Path("t.gguf"), 2) == (["-m", "t.gguf", "-t", "2", "-tb", "2", "-c", "256",
+                                                                 "-ngl", "0"], 0)
+    missing = BenchContext(rt=None, sampling=SamplingParams(), drafter_path=str(tmp_path / "nowhere"))
+    with pytest.raises(Skip, match="convert-assistant"):
+        server_args("llama-cpp-mtp", missing, Path("t.gguf"), 2)
+    monkeypatch.setenv("SPECDRAFT_LLAMA_CPP_BIN", str(tmp_path / "no-build"))
+    assert llama_native.find_binary() is None
+    assert build_llama_server("llama-cpp", ctx, Path("t.gguf"), 2) is None
+    with pytest.raises(Skip, match="llama_cpp_native.py build"):
+        build_llama_server("llama-cpp-mtp", ctx, Path("t.gguf"), 2)

@@ -105,6 +105,34 @@ class LlamaServerMethod(Method):
         self.log.close()
 
 
+def server_args(name: str, ctx: BenchContext, gguf: Path, threads: int, profile=None) -> tuple[list[str], int]:
+    """llama-server's arguments for a peer, and the drafts it proposes a round (0: none)."""
+    k = ctx.draft_tokens or 3  # llama-server's own default n-max
+    args = ["-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx.n_ctx), "-ngl", "0"]
+    if name == "llama-cpp-pld":
+        return args + ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(NGRAM_SIZE),
+                       "--spec-ngram-simple-size-m", str(k), "--spec-draft-n-max", str(k)], k
+    if not name.startswith("llama-cpp-mtp"):
+        return args, 0
+    if ctx.drafter_path is None:
+        raise Skip("llama-cpp-mtp needs the assistant: --drafter-path FOLDER")
+    assistant = Path(ctx.drafter_path)
+    draft_gguf = assistant if assistant.suffix == ".gguf" else assistant_gguf(assistant)
+    if not draft_gguf.is_file():
+        raise Skip(f"the assistant is not converted for llama.cpp yet: {TOOL} convert-assistant "
+                   f"{ctx.drafter_path} --source SOURCE")
+    args += ["--spec-type", "draft-mtp", "-md", str(draft_gguf), "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0"]
+    if profile is not None:
+        # llama.cpp takes exactly n-max unconditional rates: the profile's cumulative shares,
+        # continued past its last position at its last conditional rate (as specdraft's).
+        rates, share = [], 1.0
+        for rate in profile.conditional(k):
+            share *= rate
+            rates.append(share)
+        args += ["--spec-synth-rates", ",".join(f"{r:.4g}" for r in rates)]
+    return args, k
+
+
 def build_llama_server(name: str, ctx: BenchContext, gguf: Path, threads: int, profile=None) -> Method | None:
     """A llama-server peer, or None where no native build is found (the wheel peer then runs)."""
     binary = find_binary("llama-server")
@@ -112,32 +140,7 @@ def build_llama_server(name: str, ctx: BenchContext, gguf: Path, threads: int, p
         if name.startswith("llama-cpp-mtp"):
             raise Skip(f"no native llama.cpp build (llama-server); build it once: {TOOL} build SOURCE")
         return None
-    k = ctx.draft_tokens or 3  # llama-server's own default n-max
-    args = ["-m", str(gguf), "-t", str(threads), "-tb", str(threads), "-c", str(ctx.n_ctx), "-ngl", "0"]
-    drafts = 0
-    if name == "llama-cpp-pld":
-        args += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(NGRAM_SIZE),
-                 "--spec-ngram-simple-size-m", str(k), "--spec-draft-n-max", str(k)]
-        drafts = k
-    elif name.startswith("llama-cpp-mtp"):
-        if ctx.drafter_path is None:
-            raise Skip("llama-cpp-mtp needs the assistant: --drafter-path FOLDER")
-        assistant = Path(ctx.drafter_path)
-        draft_gguf = assistant if assistant.suffix == ".gguf" else assistant_gguf(assistant)
-        if not draft_gguf.is_file():
-            raise Skip(f"the assistant is not converted for llama.cpp yet: {TOOL} convert-assistant "
-                       f"{ctx.drafter_path} --source SOURCE")
-        args += ["--spec-type", "draft-mtp", "-md", str(draft_gguf), "--spec-draft-n-max", str(k),
-                 "--spec-draft-n-min", "0"]
-        if profile is not None:
-            # llama.cpp takes exactly n-max unconditional rates: the profile's cumulative shares,
-            # continued past its last position at its last conditional rate (as specdraft's).
-            rates, share = [], 1.0
-            for rate in profile.conditional(k):
-                share *= rate
-                rates.append(share)
-            args += ["--spec-synth-rates", ",".join(f"{r:.4g}" for r in rates)]
-        drafts = k
+    args, drafts = server_args(name, ctx, gguf, threads, profile)
     method = LlamaServerMethod(name, args, ctx, drafts, binary)
     method.own_weight_bytes = gguf.stat().st_size
     method.notes.append(f"llama-server (native build, {binary.parent}), {gguf.name}, {threads} threads, "

@@ -133,13 +133,11 @@ def server_args(name: str, ctx: BenchContext, gguf: Path, threads: int, profile=
     return args, k
 
 
-def build_llama_server(name: str, ctx: BenchContext, gguf: Path, threads: int, profile=None) -> Method | None:
-    """A llama-server peer, or None where no native build is found (the wheel peer then runs)."""
+def build_llama_server(name: str, ctx: BenchContext, gguf: Path, threads: int, profile=None) -> Method:
+    """A llama-server peer; Skip where no native build is found."""
     binary = find_binary("llama-server")
     if binary is None:
-        if name.startswith("llama-cpp-mtp"):
-            raise Skip(f"no native llama.cpp build (llama-server); build it once: {TOOL} build SOURCE")
-        return None
+        raise Skip(f"no native llama.cpp build (llama-server); build it once: {TOOL} build SOURCE")
     args, drafts = server_args(name, ctx, gguf, threads, profile)
     method = LlamaServerMethod(name, args, ctx, drafts, binary)
     method.own_weight_bytes = gguf.stat().st_size

@@ -249,16 +249,16 @@ class LlamaCppMethod(Method):
 def _build_llama_cpp(name: str, ctx: BenchContext) -> Method:
     """llama.cpp's own server where a native build is found (bench/llama_server.py; the only way
     to its MTP drafting), else llama-cpp-python's wheel in-process."""
+    from specdraft.bench.llama_native import find_binary
     from specdraft.bench.llama_server import build_llama_server
     from specdraft.drafters.simulated import parse_profile
 
-    if ctx.rt.device.type != "cpu":
-        raise Skip("llama-cpp is compared on CPU runs only (this build is CPU-only)")
-    spec = method_profile(name)
-    served = build_llama_server(name, ctx, gguf_for(ctx), torch.get_num_threads(),
-                                parse_profile(spec) if spec is not None else None)
-    if served is not None:
-        return served
+    if find_binary() is not None or split_method(name)[0] == "llama-cpp-mtp":
+        if ctx.rt.device.type != "cpu":
+            raise Skip("llama-cpp is compared on CPU runs only (this build is CPU-only)")
+        spec = method_profile(name)
+        return build_llama_server(name, ctx, gguf_for(ctx), torch.get_num_threads(),
+                                  parse_profile(spec) if spec is not None else None)
     try:
         import llama_cpp
     except ImportError:

@@ -2,7 +2,9 @@
 request's tokens restores their K/V and prefills only the rest, with the same output as an
 engine without the cache (greedy, and sampled with a per-request seed), Gemma 4's rings and the
 MTP drafter included; a prefix further back than a ring keeps is passed over, never restored
-wrong; the store stays within its bytes, least recently used evicted first.
+wrong; the store stays within its bytes, least recently used evicted first. Exact reuse (the
+server's) restores only whole prefill chunks of earlier prompts; the chat's (exact=False) reuses
+every position, replies included.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _engine(tiny: TinyModel, drafter: str, mtp_folder, cache: PrefixCache | None
 def test_next_turn_prefills_only_its_own_tokens_and_keeps_the_output(gemma_tiny, mtp_folder, drafter):
     first, *turns = prompts_of([40, 7, 12], gemma_tiny.cfg.vocab_size, seed=11)
     plain = conversation(_engine(gemma_tiny, drafter, mtp_folder, None), first, turns, 20)
-    store = PrefixCache(BIG)
+    store = PrefixCache(BIG, exact=False)
     cached = conversation(_engine(gemma_tiny, drafter, mtp_folder, store), first, turns, 20)
     assert [r.token_ids for r in cached] == [r.token_ids for r in plain]
     assert cached[0].stats.cached_tokens == 0
@@ -80,14 +82,16 @@ def test_sampled_output_with_a_seed_is_unchanged(gemma_tiny, mtp_folder):
     first, *turns = prompts_of([30, 9], gemma_tiny.cfg.vocab_size, seed=12)
     sampling = SamplingParams(temperature=1.0, seed=5)
     plain = conversation(_engine(gemma_tiny, "mtp", mtp_folder, None), first, turns, 24, sampling)
-    cached = conversation(_engine(gemma_tiny, "mtp", mtp_folder, PrefixCache(BIG)), first, turns, 24, sampling)
+    cached = conversation(_engine(gemma_tiny, "mtp", mtp_folder, PrefixCache(BIG, exact=False)), first, turns, 24,
+                          sampling)
     assert cached[1].stats.cached_tokens > 0
     assert [r.token_ids for r in cached] == [r.token_ids for r in plain]
 
 
 def test_shared_prefix_of_a_longer_prompt_and_the_negative_control(gemma_tiny, mtp_folder):
-    """Two prompts sharing their first 60 tokens: the second restores 60 (chunks of 16 from there
-    on). Spoiling the saved K/V changes the output: the restored K/V is what the answer reads."""
+    """Two prompts sharing their first 60 tokens: the second restores the 48 of them that the first
+    prefilled in whole chunks of 16, and prefills on from there as an uncached engine does.
+    Spoiling the saved K/V changes the output: the restored K/V is what the answer reads."""
     shared, a, b = prompts_of([60, 20, 15], gemma_tiny.cfg.vocab_size, seed=13)
     plain = _engine(gemma_tiny, "none", mtp_folder, None)
     expected = run(plain, shared + b, 20).token_ids
@@ -95,22 +99,22 @@ def test_shared_prefix_of_a_longer_prompt_and_the_negative_control(gemma_tiny, m
     engine = _engine(gemma_tiny, "none", mtp_folder, store)
     run(engine, shared + a, 10)
     r = run(engine, shared + b, 20)
-    assert r.stats.cached_tokens == 60 and r.token_ids == expected
+    assert r.stats.cached_tokens == 48 and r.token_ids == expected
     with torch.inference_mode():
         for e in store._entries.values():
             for t in e.snapshot.k:
                 t.mul_(-1.0)
     spoiled = run(engine, shared + b, 20)
-    assert spoiled.stats.cached_tokens == 74 and spoiled.token_ids != expected
+    assert spoiled.stats.cached_tokens == 64 and spoiled.token_ids != expected  # 75 prompt tokens: 4 chunks
 
 
 def test_store_stays_within_its_bytes_least_recently_used_first(gemma_tiny, mtp_folder):
     ps = prompts_of([50, 50, 50], gemma_tiny.cfg.vocab_size, seed=14)
-    probe = PrefixCache(BIG)
+    probe = PrefixCache(BIG, exact=False)
     engine = _engine(gemma_tiny, "none", mtp_folder, probe)
     run(engine, ps[0], 5)
     one = probe.bytes  # one finished row of 54 positions
-    store = PrefixCache(int(one * 2.5))
+    store = PrefixCache(int(one * 2.5), exact=False)
     engine = _engine(gemma_tiny, "none", mtp_folder, store)
     run(engine, ps[0], 5)
     run(engine, ps[1], 5)
@@ -120,7 +124,7 @@ def test_store_stays_within_its_bytes_least_recently_used_first(gemma_tiny, mtp_
     assert store.bytes <= store.max_bytes and len(store) == 2
     assert run(engine, ps[1] + [7], 5).stats.cached_tokens == 0
     assert run(engine, ps[2] + [7], 5).stats.cached_tokens == 50
-    tiny = PrefixCache(one // 2)  # an entry larger than the whole store is not kept
+    tiny = PrefixCache(one // 2, exact=False)  # an entry larger than the whole store is not kept
     engine = _engine(gemma_tiny, "none", mtp_folder, tiny)
     run(engine, ps[0], 5)
     assert len(tiny) == 0
@@ -158,7 +162,7 @@ def test_gemma4_rings_restore_a_conversation(gemma4, with_drafter):
     first, *turns = [torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(n)).tolist()
                      for n in (37, 5, 9)]
     plain = conversation(engine(None), first, turns, 25)
-    cached = conversation(engine(PrefixCache(BIG)), first, turns, 25)
+    cached = conversation(engine(PrefixCache(BIG, exact=False)), first, turns, 25)
     assert [r.token_ids for r in cached] == [r.token_ids for r in plain]
     assert cached[2].stats.cached_tokens == len(cached[1].prompt_ids) + len(cached[1].token_ids) - 1
 
@@ -170,7 +174,7 @@ def test_gemma4_prefix_further_back_than_a_ring_is_passed_over(gemma4):
     gen = torch.Generator().manual_seed(40)
     shared, a, b = (torch.randint(3, 250, (n,), generator=gen).tolist() for n in (20, 30, 6))
     expected = run(Engine(model, capacity=300, prefill_chunk=4), shared + b, 12).token_ids
-    store = PrefixCache(BIG)
+    store = PrefixCache(BIG, exact=False)
     engine = Engine(model, capacity=300, prefill_chunk=4, prefix_cache=store)
     run(engine, shared + a, 8)  # the rings (12 slots) end 37 positions past the shared 20
     r = run(engine, shared + b, 12)
@@ -178,3 +182,14 @@ def test_gemma4_prefix_further_back_than_a_ring_is_passed_over(gemma4):
     run(engine, shared + b + r.token_ids, 1)  # near its end a snapshot restores
     near = run(engine, shared + b + r.token_ids + [9], 12)
     assert near.stats.cached_tokens == len(shared + b + r.token_ids)
+
+
+def test_exact_reuse_restores_whole_chunks_of_earlier_prompts_only(gemma_tiny, mtp_folder):
+    """A next turn in exact mode: nothing of the reply (decoded, not prefilled) and no part-chunk is
+    restored, so every position holds what an uncached prefill computes; the output is the same."""
+    first, *turns = prompts_of([40, 7, 12], gemma_tiny.cfg.vocab_size, seed=11)
+    plain = conversation(_engine(gemma_tiny, "mtp", mtp_folder, None), first, turns, 20)
+    cached = conversation(_engine(gemma_tiny, "mtp", mtp_folder, PrefixCache(BIG)), first, turns, 20)
+    assert [r.token_ids for r in cached] == [r.token_ids for r in plain]
+    for before, r in zip(cached, cached[1:]):
+        assert r.stats.cached_tokens == len(before.prompt_ids) - len(before.prompt_ids) % 16 > 0

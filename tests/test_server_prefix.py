@@ -1,6 +1,7 @@
 """The server's prefix cache over real HTTP: a conversation's next turn and a prompt sharing a
 finished request's prefix restore its KV (usage.prompt_tokens_details.cached_tokens says how
-many tokens) and answer exactly what a server without the cache answers, greedy and seeded."""
+many tokens) and answer exactly what a server without the cache answers, greedy and seeded. The
+server's cache is exact: it restores whole prefill chunks (8 tokens here) of earlier prompts."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from specdraft.speculative.prefix_cache import PrefixCache  # noqa: E402
 from specdraft.tokenizer import Tokenizer  # noqa: E402
 
 SHARED = " ".join(f"w{i % 50 + 10}" for i in range(80))
+CHUNK = 8
 
 
 def _client(tiny, store: PrefixCache | None):  # noqa: F811
     tok = Tokenizer(tiny.folder, tiny.cfg.eos_token_ids)
-    engine = Engine(tiny.ours, tok, NgramDrafter(), 3, max_batch_size=2, capacity=200, prefix_cache=store)
+    engine = Engine(tiny.ours, tok, NgramDrafter(), 3, max_batch_size=2, capacity=200, prefill_chunk=CHUNK,
+                    prefix_cache=store)
     return running_server(ServedModel("tiny", engine, tok, "ngram", 3))
 
 
@@ -60,9 +63,13 @@ def test_next_turn_and_shared_prefix_reuse_the_cache_with_the_same_answers(tiny,
     assert [r.usage.prompt_tokens_details.cached_tokens for r in plain] == [0, 0, 0, 0]
     assert reused[0] == 0
     # turn 2 restores turn 1's prompt up to its generation prompt (this template's `w99` becomes
-    # `assistant` in the history; Gemma's renders the same words either way)
-    assert reused[1] == cached[0].usage.prompt_tokens - 1
+    # `assistant` in the history; Gemma's renders the same words either way), in whole chunks of
+    # turn 1's prompt: never its reply, never a part-chunk
+    whole = lambda n: n - n % CHUNK  # noqa: E731
+    assert reused[1] == whole(cached[0].usage.prompt_tokens - 1) > 0
     assert reused[1] == cached[1].model_extra["specdraft"]["cached_prompt_tokens"]
     assert reused[2] == 0  # the chat's prompt starts with its template's words
-    assert reused[3] == cached[3].usage.prompt_tokens - 1  # all but "w9": the shared text and its BOS
+    # all but "w9" is shared with the request before, restored in whole chunks of its prompt
+    assert reused[3] == whole(min(cached[3].usage.prompt_tokens - 1, cached[2].usage.prompt_tokens)) > 0
+    assert all(n % CHUNK == 0 for n in reused)
     assert store.hits == 2

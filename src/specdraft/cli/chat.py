@@ -62,8 +62,9 @@ def run(args) -> int:
     check_draft_tokens(args.draft_tokens)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     rt = load_target(args)
-    # One conversation: the store holds its latest turn (each save replaces the turn it extends).
-    store = PrefixCache(1 << 62)
+    # One conversation: the store holds its latest turn (each save replaces the turn it extends);
+    # every position is reused, replies included (prefix_cache.py: exact=False).
+    store = PrefixCache(1 << 62, exact=False)
     built = build_engine(rt, args.drafter, args.drafter_path, args.draft_tokens, args.draft_policy, prepare_rows=1,
                          progress=True, max_batch_size=1, capacity=rt.context, prefix_cache=store)
     stops = tuple(args.stop)

@@ -252,7 +252,7 @@ class Engine:
                 self.drafter.reset_row(slot)
             self.tokens[slot, : len(row.req.prompt)] = torch.tensor(row.req.prompt)
             if self.prefix_cache is not None:
-                snapshot, n = self.prefix_cache.match(row.req.prompt, self.cache)
+                snapshot, n = self.prefix_cache.match(row.req.prompt, self.cache, self.prefill_chunk)
                 if n:
                     self.cache.restore_row(slot, snapshot, n)
                     row.prefilled = row.stats.cached_tokens = n
@@ -298,7 +298,9 @@ class Engine:
         if self.prefix_cache is None:
             return
         n = self.cache.host_lengths[slot]
-        self.prefix_cache.save(self.tokens[slot, :n].tolist(), self.cache.snapshot_row(slot))
+        prompt = self.slots[slot].req.prompt
+        self.prefix_cache.save(self.tokens[slot, :n].tolist(), self.cache.snapshot_row(slot), len(prompt),
+                               self.prefill_chunk)
 
     # --- prefill ------------------------------------------------------------------------------
     def _prefill(self) -> None:

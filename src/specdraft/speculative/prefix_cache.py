@@ -12,9 +12,14 @@ is the engine's apart from any request's KV row. A ring slot (Gemma 4's sliding 
 its last window + max_forward positions, so a snapshot restores a prefix only that far behind its
 end (KVCache.can_restore); a longer one is passed over, never restored wrong.
 
-Reused positions hold exactly the K/V the earlier request computed for those tokens, so the output
-is the one that request's arithmetic gives; a prefill that recomputes them blocks long sums by its
-own chunking (docs/exactness.md), which can round differently in the last bits.
+Exact reuse (`exact=True`, the server's default): a request prefills in chunks that start at
+multiples of the prefill chunk from position 0, and a chunk's arithmetic depends on its width (a
+wide chunk takes a GEMM, maybe in bf16; its last, shorter chunk another blocking). So only whole
+chunks that the earlier request prefilled as whole chunks are restored, and the new request goes
+on from a chunk boundary: every position then holds the bits an uncached prefill would compute,
+and the output equals the uncached output. Positions decoded after a prompt are never reused
+this way. `exact=False` (the chat) reuses every position: a conversation continues from the K/V
+its replies were generated with, which a fresh prefill of the same text may round differently.
 """
 
 from __future__ import annotations
@@ -30,13 +35,14 @@ from specdraft.kv_cache import KVCache, RowSnapshot
 class _Entry:
     tokens: list[int]  # the ids of positions 0..len-1
     snapshot: RowSnapshot
+    reusable: int  # leading positions a match may restore (exact reuse: whole prefill chunks)
 
 
 class PrefixCache:
     """Longest-prefix lookup over saved rows, bounded in bytes, least recently used evicted."""
 
-    def __init__(self, max_bytes: int):
-        self.max_bytes = max_bytes
+    def __init__(self, max_bytes: int, exact: bool = True):
+        self.max_bytes, self.exact = max_bytes, exact
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._next = 0
         self.bytes = 0
@@ -46,12 +52,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, prompt: list[int], cache: KVCache) -> tuple[RowSnapshot | None, int]:
+    def match(self, prompt: list[int], cache: KVCache, chunk: int) -> tuple[RowSnapshot | None, int]:
         """The saved row and the number of leading positions of `prompt` it restores into `cache`
-        (0: none). At most len(prompt) - 1: the last prompt token is always prefilled."""
+        (0: none). At most len(prompt) - 1: the last prompt token is always prefilled. `chunk`:
+        the engine's prefill chunk (exact reuse restores whole chunks)."""
         best, best_n, best_key = None, 0, None
         for key, e in self._entries.items():
-            n = min(len(os.path.commonprefix([e.tokens, prompt])), len(prompt) - 1, e.snapshot.length)
+            n = min(len(os.path.commonprefix([e.tokens, prompt])), len(prompt) - 1, e.reusable)
+            if self.exact:
+                n -= n % chunk  # the rest is prefilled from a chunk boundary, as without the cache
             if n > best_n and cache.can_restore(e.snapshot, n):
                 best, best_n, best_key = e.snapshot, n, key
         if best_key is not None:
@@ -60,17 +69,21 @@ class PrefixCache:
             self.reused_tokens += best_n
         return best, best_n
 
-    def save(self, tokens: list[int], snapshot: RowSnapshot) -> None:
-        """Keep `snapshot` (positions 0..len(tokens)-1 of `tokens`); older entries whose tokens it
-        extends are dropped when it restores everything they could."""
+    def save(self, tokens: list[int], snapshot: RowSnapshot, prompt_length: int, chunk: int) -> None:
+        """Keep `snapshot` (positions 0..len(tokens)-1 of `tokens`, the first `prompt_length` of
+        them prefilled in chunks of `chunk`); older entries whose tokens it extends are dropped
+        when it restores everything they could."""
         size = snapshot.nbytes()
-        if size > self.max_bytes or not tokens:
+        reusable = min(snapshot.length, len(tokens))
+        if self.exact:
+            reusable = min(reusable, prompt_length - prompt_length % chunk)
+        if size > self.max_bytes or not tokens or reusable <= 0:
             return
         for key, e in list(self._entries.items()):
-            if len(e.tokens) <= len(tokens) and tokens[: len(e.tokens)] == e.tokens and all(
+            if len(e.tokens) <= len(tokens) and tokens[: len(e.tokens)] == e.tokens and e.reusable <= reusable and all(
                     f <= g for f, g in zip(snapshot.first, e.snapshot.first)):
                 self._drop(key)
-        self._entries[self._next] = _Entry(list(tokens), snapshot)
+        self._entries[self._next] = _Entry(list(tokens), snapshot, reusable)
         self._next += 1
         self.bytes += size
         while self.bytes > self.max_bytes:

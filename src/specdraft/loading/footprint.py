@@ -8,6 +8,11 @@ The estimate counts, from the model built on the meta device (shapes only):
   the token table counted, since the drafter's head reads its rows all over), else in memory;
 - the KV cache for the context asked for;
 - a working set: a forward's activations and logits, and the allocator's slack.
+
+A GGUF file loaded from its own blocks (loading/gguf_direct.py) is counted from its header: each
+matrix as the int8 kernel keeps its blocks (GGUF_LOADED_BYTES), the token table as the file
+stores it (a view of the file), the per-layer table not at all (a row per token), plus the
+largest matrix's decoding transients.
 """
 
 from __future__ import annotations
@@ -22,12 +27,20 @@ from torch import nn
 
 from specdraft.errors import SpecdraftError
 from specdraft.kv_cache import PREFILL_CHUNK
+from specdraft.loading.gguf_description import GGUFDescription
 
 GB = 1 << 30
 BYTES_PER_WEIGHT = {"q8": 34 / 32, "q4": 18 / 32, "int8": 1.0, "int4": 0.6, "fp16": 2.0, "gguf": 1.1, "gguf-q8": 1.1}
 BASE_WORKING_SET = 384 << 20  # torch, the tokenizer, the allocator's slack
 DRAFT_ROWS = 9  # the widest verification a row runs (8 drafts + 1)
 SMALLER = {"dtype": "q8", "fp16": "q8", "int8": "q4", "q8": "q4"}  # the next format down
+# Bytes a weight of each GGUF type takes once the direct loader has made it a kernel linear:
+# codes (4-bit ones two a byte, wider ones a byte), scales (fp16 where the file's are), offsets.
+GGUF_LOADED_BYTES = {"Q8_0": 1 + 2 / 32, "Q4_0": 0.5 + 2 / 32, "Q4_1": 0.5 + 8 / 32, "Q5_0": 1 + 2 / 32,
+                     "Q5_1": 1 + 8 / 32, "Q4_K": 0.5 + 8 / 32, "Q6_K": 1 + 4 / 16,
+                     "F32": 1 + 4 / 32, "F16": 1 + 4 / 32, "BF16": 1 + 4 / 32}  # floats: compacted as q8
+DECODE_TRANSIENT = 4  # bytes a weight of the matrix being decoded: int16 codes, then the kernel's layout
+SMALLER_GGUF = "Q4_0"  # the smaller file a refusal prices
 
 
 @dataclass
@@ -141,11 +154,71 @@ def _cgroup_free() -> int | None:
 def _fitting_context(model: nn.Module, fmt: str, dtype: torch.dtype, context: int, batch_size: int,
                      free: int) -> int | None:
     """The longest context, halving from `context` down to 512 tokens, whose footprint fits in `free`."""
+    return _longest_fitting(lambda c: estimate(model, fmt, dtype, c, batch_size), context, free)
+
+
+def _longest_fitting(footprint, context: int, free: int) -> int | None:
     while context >= 512:
-        if estimate(model, fmt, dtype, context, batch_size).total <= free:
+        if footprint(context).total <= free:
             return context
         context //= 2
     return None
+
+
+def estimate_gguf(model: nn.Module, desc: GGUFDescription, context: int, batch_size: int = 1,
+                  as_type: str | None = None) -> Footprint:
+    """The footprint of a GGUF file loaded from its own blocks (see the module docstring), `model`
+    built on the meta device from its header; `as_type`: price every block matrix as that type
+    instead (what a smaller file of the same model would take)."""
+    from specdraft.loading.gguf_file import hf_name
+
+    weights, largest = 0.0, 0
+    for name, t in desc.tensors.items():
+        hf = hf_name(name, desc.arch)
+        if hf is None or name == "per_layer_token_embd.weight":
+            continue  # towers and rope_freqs; the per-layer table is read a row per token
+        kind = t.tensor_type.name
+        numel = 1
+        for d in t.shape:
+            numel *= int(d)
+        if len(t.shape) == 1:
+            weights += numel * 4
+            continue
+        per_weight = GGUF_LOADED_BYTES.get(as_type if as_type and kind not in ("F32", "F16", "BF16") else kind, 4.0)
+        if name == "token_embd.weight":
+            weights += t.data.nbytes  # the table itself, a view of the file
+            if "output.weight" in desc.tensors:
+                continue
+        weights += numel * per_weight
+        largest = max(largest, numel)
+    head = desc.config["vocab_size"]
+    logits = batch_size * DRAFT_ROWS * head * 4 * 3
+    kv = kv_bytes(model, torch.float32, context, batch_size)
+    return Footprint(int(weights), kv, BASE_WORKING_SET + logits + largest * DECODE_TRANSIENT)
+
+
+def check_gguf_fits(model: nn.Module, desc: GGUFDescription, name: str, context: int, batch_size: int = 1,
+                    available: int | None = None) -> Footprint:
+    """check_fits for a GGUF loaded from its own blocks, from its header alone: the footprint, or a
+    one-line refusal naming a shorter context or a smaller file that would fit."""
+    need = estimate_gguf(model, desc, context, batch_size)
+    free = available_memory() if available is None else available
+    if need.total <= free:
+        return need
+    options = []
+    shorter = _longest_fitting(lambda c: estimate_gguf(model, desc, c, batch_size), context // 2, free)
+    if shorter is not None:
+        options.append(f"--max-context {shorter} fits")
+    small = estimate_gguf(model, desc, context, batch_size, as_type=SMALLER_GGUF)
+    if small.total < need.total:
+        if small.total <= free:
+            options.append(f"a {SMALLER_GGUF} file of this model fits (~{small.total / GB:.1f} GB)")
+        elif (fits := _longest_fitting(lambda c: estimate_gguf(model, desc, c, batch_size, SMALLER_GGUF),
+                                       context // 2, free)) is not None:
+            options.append(f"a {SMALLER_GGUF} file of this model with --max-context {fits} fits")
+    hint = "; ".join(options) if options else "no smaller file or context down to 512 tokens fits this machine"
+    raise SpecdraftError(f"{name} needs {need.describe('its GGUF blocks', context)} but {free / GB:.1f} GB is "
+                         f"available; {hint}")
 
 
 def check_fits(model: nn.Module, name: str, fmt: str, dtype: torch.dtype, context: int, batch_size: int = 1,

@@ -220,6 +220,12 @@ def _hf_name(gguf_name: str, arch: str) -> str | None:
     return f"model.layers.{layer}.{names[local]}.{kind}"
 
 
+def hf_name(gguf_name: str, arch: str) -> str | None:
+    """A GGUF tensor's Hugging Face name (None: not a text-decoder weight, e.g. rope_freqs or a
+    vision/audio tower's tensor; a split expert half keeps its GGUF name, "blk.N.ffn_gate_exps.weight")."""
+    return _hf_name(gguf_name, arch)
+
+
 def _gemma4_hf_name(gguf_name: str, arch: str) -> str | None:
     """A gemma4 / gemma4-assistant GGUF tensor's HF name (None: not a text-decoder weight: the
     rope_freqs read into the config, or a vision/audio tower's tensor)."""
@@ -289,22 +295,29 @@ def gguf_config(path: Path, reader: GGUFFile | None = None) -> dict[str, Any]:
 
 def assistant_config_dict(path: Path) -> dict[str, Any]:
     """A gemma4-assistant GGUF's drafter config (the Gemma 4 assistant config.json), header only."""
-    reader = open_gguf(path)
-    if reader.value("general.architecture") != GEMMA4_ASSISTANT:
-        raise SpecdraftError(f"{path}: GGUF architecture {reader.value('general.architecture')!r} is not a drafter "
-                             f"(expected {GEMMA4_ASSISTANT!r})")
-    return gguf_config(path, reader)
+    from specdraft.loading.gguf_description import describe_gguf
+
+    desc = describe_gguf(path)
+    if desc.arch != GEMMA4_ASSISTANT:
+        raise SpecdraftError(f"{path}: GGUF architecture {desc.arch!r} is not a drafter (expected {GEMMA4_ASSISTANT!r})")
+    return desc.config
 
 
-def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> None:
-    """Write config.json, model.safetensors (float32) and tokenizer files for `path` into out_dir
-    (a gemma4-assistant GGUF: a drafter folder, with tokenizer files only if it has a vocabulary)."""
+def assistant_state(path: Path) -> dict[str, torch.Tensor]:
+    """A gemma4-assistant GGUF's weights in float32 under their Hugging Face names, in memory (the
+    drafter is small: E2B's is 78M parameters); no converted folder is written."""
+    from specdraft.loading.gguf_description import describe_gguf
+
+    assistant_config_dict(path)  # refuses a file that is not a drafter
+    return float_state(path, describe_gguf(path).reader, progress=False)
+
+
+def float_state(path: Path, reader: GGUFFile, progress: bool = True) -> dict[str, torch.Tensor]:
+    """Every text-decoder tensor of the file dequantised to float32, under its Hugging Face name
+    (what convert_gguf writes; a gemma4-assistant drafter loads from it in memory)."""
     from gguf import quants
     from tqdm import tqdm
 
-    from specdraft.loading.gguf_tokenizer import convert_gguf_tokenizer
-
-    reader = open_gguf(path)
     arch = reader.value("general.architecture")
     cfg = gguf_config(path, reader)
     heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
@@ -334,6 +347,18 @@ def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> None:
             raise SpecdraftError(f"{path}: GGUF layer {layer} has {sorted(halves)} but not both of {list(_SPLIT_EXPERTS)}")
         stacked = np.concatenate([halves["ffn_gate_exps"], halves["ffn_up_exps"]], axis=1)  # [E, 2I, H]: gate, then up
         state[f"model.layers.{layer}.experts.gate_up_proj"] = torch.from_numpy(np.ascontiguousarray(stacked))
+    return state
+
+
+def convert_gguf(path: Path, out_dir: Path, progress: bool = True) -> None:
+    """Write config.json, model.safetensors (float32) and tokenizer files for `path` into out_dir
+    (a gemma4-assistant GGUF: a drafter folder, with tokenizer files only if it has a vocabulary)."""
+    from specdraft.loading.gguf_tokenizer import convert_gguf_tokenizer
+
+    reader = open_gguf(path)
+    arch = reader.value("general.architecture")
+    cfg = gguf_config(path, reader)
+    state = float_state(path, reader, progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt", "source": path.name})

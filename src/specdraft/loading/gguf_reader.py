@@ -50,6 +50,7 @@ class GGUFTensor:
     tensor_type: GGMLQuantizationType
     shape: tuple[int, ...]  # GGUF order: the input width first
     data: np.ndarray  # a view of the file: numbers for unquantised types, else bytes per row
+    offset: int = 0  # where the data starts in the file
 
 
 class GGUFFile:
@@ -129,4 +130,4 @@ class GGUFFile:
             data = raw.view(_PLAIN_TENSOR_TYPES[kind]).reshape(shape)
         else:
             data = raw.reshape(quant_shape_to_byte_shape(shape, kind))
-        return GGUFTensor(name, kind, dims, data)
+        return GGUFTensor(name, kind, dims, data, begin)

@@ -133,10 +133,10 @@ def model_config_dict(name_or_path: str) -> dict:
         folder = preset_dir(name_or_path)
     else:
         gguf = gguf_source(name_or_path)
-        if gguf is not None:
-            from specdraft.loading.gguf_file import gguf_config
+        if gguf is not None:  # from the header, parsed once for the memory check and the loader too
+            from specdraft.loading.gguf_description import describe_gguf
 
-            return gguf_config(gguf)
+            return describe_gguf(gguf).config
         folder = Path(name_or_path).expanduser()
         if not folder.is_dir() and hub.is_hub_id(name_or_path):
             folder = hub.cached_folder(name_or_path) or hub.config_folder(name_or_path)  # config.json alone

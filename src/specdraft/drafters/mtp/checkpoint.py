@@ -134,21 +134,26 @@ def check_drafter_fits(drafter: Path, target: str | Path) -> MTPConfig:
 
 
 def _drafter_folder(path: Path) -> Path:
-    """A drafter folder: the path itself, or the cache folder a gemma4-assistant GGUF converts into."""
-    if path.is_file() and path.suffix == ".gguf":
-        from specdraft.loading.presets import ensure_gguf
-
-        return ensure_gguf(path)
     if not path.is_dir():
         raise SpecdraftError(f"drafter path {path} is not a folder or a .gguf file")
     return path
 
 
 def load_network(folder: Path, target: torch.nn.Module, dtype: torch.dtype, device) -> tuple[MTPNetwork, list[AttentionLayout]]:
-    folder = _drafter_folder(Path(folder))
+    """A drafter's network from a folder, or from a gemma4-assistant GGUF read in memory (no
+    converted folder)."""
+    folder = Path(folder).expanduser()
+    gguf = folder.is_file() and folder.suffix == ".gguf"
+    if not gguf:
+        folder = _drafter_folder(folder)
     cfg = read_drafter_config(folder)
     sources = kv_sources(cfg, target)
-    state = read_safetensors(safetensors_files(folder))
+    if gguf:
+        from specdraft.loading.gguf_file import assistant_state
+
+        state = assistant_state(folder)
+    else:
+        state = read_safetensors(safetensors_files(folder))
     state.pop("lm_head.weight", None)  # tied to model.embed_tokens
     if "masked_embedding.token_ordering" in state:  # before the shape check: its dtype is checked too
         try:

@@ -116,8 +116,9 @@ class Gemma4Experts(nn.Module):
         self.compact: dict[str, nn.ModuleList] = {}
 
     def compact_part(self, part: str, stack: torch.Tensor, make) -> None:
-        """Replace the [E, N, K] parameter `part` by E modules `make(stack[e])`."""
-        modules = nn.ModuleList(make(stack[e]) for e in range(stack.shape[0]))
+        """Replace the [E, N, K] parameter `part` by E modules `make(stack[e])` (`stack`: a tensor,
+        or a list of what `make` takes, one per expert)."""
+        modules = nn.ModuleList(make(stack[e]) for e in range(len(stack)))
         if any(m is None for m in modules):
             raise ValueError(f"no compact kernel takes the experts' {part} of shape {tuple(stack.shape[1:])}")
         delattr(self, part)

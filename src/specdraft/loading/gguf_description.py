@@ -72,3 +72,22 @@ def _describe(path: str, size: int, mtime_ns: int) -> GGUFDescription:
     config = gguf_config(Path(path), reader)
     return GGUFDescription(Path(path), reader, str(reader.value("general.architecture")), config,
                            {t.name: t for t in reader.tensors})
+
+
+def assistant_config_dict(path: Path) -> dict[str, Any]:
+    """A gemma4-assistant GGUF's drafter config (the Gemma 4 assistant config.json), header only."""
+    from specdraft.loading.gguf_gemma4 import GEMMA4_ASSISTANT
+
+    desc = describe_gguf(path)
+    if desc.arch != GEMMA4_ASSISTANT:
+        raise SpecdraftError(f"{path}: GGUF architecture {desc.arch!r} is not a drafter (expected {GEMMA4_ASSISTANT!r})")
+    return desc.config
+
+
+def assistant_state(path: Path) -> dict[str, Any]:
+    """A gemma4-assistant GGUF's weights in float32 under their Hugging Face names, in memory (the
+    drafter is small: E2B's is 78M parameters); no converted folder is written."""
+    from specdraft.loading.gguf_file import float_state
+
+    assistant_config_dict(path)  # refuses a file that is not a drafter
+    return float_state(Path(path), describe_gguf(path).reader, progress=False)

@@ -293,25 +293,6 @@ def gguf_config(path: Path, reader: GGUFFile | None = None) -> dict[str, Any]:
     return cfg
 
 
-def assistant_config_dict(path: Path) -> dict[str, Any]:
-    """A gemma4-assistant GGUF's drafter config (the Gemma 4 assistant config.json), header only."""
-    from specdraft.loading.gguf_description import describe_gguf
-
-    desc = describe_gguf(path)
-    if desc.arch != GEMMA4_ASSISTANT:
-        raise SpecdraftError(f"{path}: GGUF architecture {desc.arch!r} is not a drafter (expected {GEMMA4_ASSISTANT!r})")
-    return desc.config
-
-
-def assistant_state(path: Path) -> dict[str, torch.Tensor]:
-    """A gemma4-assistant GGUF's weights in float32 under their Hugging Face names, in memory (the
-    drafter is small: E2B's is 78M parameters); no converted folder is written."""
-    from specdraft.loading.gguf_description import describe_gguf
-
-    assistant_config_dict(path)  # refuses a file that is not a drafter
-    return float_state(path, describe_gguf(path).reader, progress=False)
-
-
 def float_state(path: Path, reader: GGUFFile, progress: bool = True) -> dict[str, torch.Tensor]:
     """Every text-decoder tensor of the file dequantised to float32, under its Hugging Face name
     (what convert_gguf writes; a gemma4-assistant drafter loads from it in memory)."""

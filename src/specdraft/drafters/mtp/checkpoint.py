@@ -98,7 +98,7 @@ def _same_rope(table: RopeTable, params: RopeParams, head_dim: int, max_position
 def read_drafter_config(folder: Path) -> MTPConfig:
     """A drafter's config from its folder's config.json, or from a gemma4-assistant GGUF's header."""
     if folder.is_file() and folder.suffix == ".gguf":
-        from specdraft.loading.gguf_file import assistant_config_dict
+        from specdraft.loading.gguf_description import assistant_config_dict
 
         return MTPConfig.from_dict(assistant_config_dict(folder))
     path = folder / "config.json"
@@ -149,7 +149,7 @@ def load_network(folder: Path, target: torch.nn.Module, dtype: torch.dtype, devi
     cfg = read_drafter_config(folder)
     sources = kv_sources(cfg, target)
     if gguf:
-        from specdraft.loading.gguf_file import assistant_state
+        from specdraft.loading.gguf_description import assistant_state
 
         state = assistant_state(folder)
     else:

@@ -360,3 +360,19 @@ def test_unpacked_converter_is_where_make_puts_it():
     makefile = (Path(__file__).parents[1] / "Makefile").read_text()
     assert "llama-cpp-converter" in makefile and "convert_hf_to_gguf.py" in makefile
     assert shutil.which("tar") is not None
+
+
+def test_a_tied_head_drafter_cannot_read_the_blocks_table(llama_gguf, tmp_path, monkeypatch):
+    """The token table stays as the file's bytes: anything that would score against it as [V, H]
+    values (a drafter tied to the target's head, drafter training) is refused in one line, never
+    fed raw bytes; the checkpoint-loaded model (the control) hands its table over."""
+    from specdraft.errors import SpecdraftError
+
+    fmt, path = llama_gguf
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    rt = Runtime.load(str(path), progress=False)
+    with pytest.raises(SpecdraftError, match="GGUF file's .* blocks"):
+        rt.model.head_weight
+    model = rt.model
+    model.embed_tokens.weight = torch.nn.Parameter(torch.zeros(3, 4), requires_grad=False)  # values, not bytes
+    assert model.head_weight.shape == (3, 4)

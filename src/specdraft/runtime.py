@@ -94,6 +94,7 @@ class Runtime:
         desc = _direct_gguf(name_or_path, weights, dtype, dev, prefill_dtype)
         if desc is not None:
             return cls._load_gguf(name_or_path, desc, dev, progress, compile, context, batch_size)
+
         def plan(folder: Path) -> tuple:
             """Dtype, format and the memory check, from config.json alone (for a Hub id: before its download)."""
             cfg, shape = describe_folder(folder)

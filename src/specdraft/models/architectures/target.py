@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from specdraft.config import ModelConfig
+from specdraft.errors import SpecdraftError
 from specdraft.kv_cache import AttentionSpan, KVCache
 from specdraft.models.kernels.argmax import argmax_last
 from specdraft.models.architectures.layers import softcap
@@ -123,7 +124,14 @@ class CachedDecoder(nn.Module):
 
     @property
     def head_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        table = self.embed_tokens if self.lm_head is None else self.lm_head
+        if getattr(table, "format", None) is not None and table.weight.dtype == torch.uint8:
+            # a GGUF table kept in its file's blocks (models/formats/gguf_table.py): its bytes are
+            # not the [V, H] values a drafter's tied head or training would score against
+            raise SpecdraftError(f"this target's token table stays in its GGUF file's {table.format} blocks, so a "
+                                 "drafter whose head is the target's table, and drafter training, cannot read it; "
+                                 "use a drafter with its own head (the official assistant) or the checkpoint")
+        return table.weight
 
     def head_scores(self, hidden: torch.Tensor) -> torch.Tensor:
         return head_scores(self, hidden)

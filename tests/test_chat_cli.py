@@ -43,7 +43,7 @@ def target(tmp_path_factory):
 
 
 def _own_terminal() -> None:
-    """In the child: a session of its own with the pty as its controlling terminal, so that
+    """In the child: setsid() and the pty as its controlling terminal, so that
     Ctrl-C typed there is a SIGINT to it, as in a real terminal."""
     os.setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)

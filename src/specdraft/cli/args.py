@@ -150,3 +150,14 @@ def add_simulation_arg(p: argparse.ArgumentParser) -> None:
                         "sources in specdraft/drafters/acceptance_profiles.json) or per-position shares of "
                         "rounds whose first i drafts were all accepted, e.g. 0.84,0.60,0.39,0.27. Greedy only; "
                         "every report marks the run as simulated")
+
+
+def check_generation_args(args: argparse.Namespace) -> None:
+    """The flags generate and chat share, judged before the model loads."""
+    if args.max_new_tokens < 1:
+        raise SpecdraftError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_context is not None and args.max_context < 16:
+        raise SpecdraftError(f"--max-context must be >= 16, got {args.max_context}")
+    if any(s == "" for s in args.stop):
+        raise SpecdraftError("--stop needs a non-empty string (an empty one would stop at once)")
+    check_draft_tokens(args.draft_tokens)

@@ -19,7 +19,7 @@ import signal
 import sys
 
 from specdraft.cli.args import (add_drafter_args, add_max_context_arg, add_model_args, add_policy_arg,
-                                add_sampling_args, add_stop_arg, check_draft_tokens, load_target)
+                                add_sampling_args, add_stop_arg, check_generation_args, load_target)
 from specdraft.errors import SpecdraftError
 
 COMMANDS = "/reset forgets the conversation, /stats shows the last reply's numbers, /exit quits"
@@ -53,13 +53,7 @@ def run(args) -> int:
     from specdraft.sampling import SamplingParams
     from specdraft.speculative.prefix_cache import PrefixCache
 
-    if args.max_new_tokens < 1:
-        raise SpecdraftError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.max_context is not None and args.max_context < 16:
-        raise SpecdraftError(f"--max-context must be >= 16, got {args.max_context}")
-    if any(s == "" for s in args.stop):
-        raise SpecdraftError("--stop needs a non-empty string (an empty one would stop at once)")
-    check_draft_tokens(args.draft_tokens)
+    check_generation_args(args)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     rt = load_target(args)
     # One conversation: the store holds its latest turn (each save replaces the turn it extends);

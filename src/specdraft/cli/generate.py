@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from specdraft.cli.args import (add_drafter_args, add_max_context_arg, add_model_args, add_policy_arg,
-                                add_sampling_args, add_simulation_arg, add_stop_arg, check_draft_tokens, load_target)
+                                add_sampling_args, add_simulation_arg, add_stop_arg, check_generation_args,
+                                load_target)
 from specdraft.errors import SpecdraftError
 
 # What holds today (README, "Exactness", says the same): rewrite both once bf16 verify is exact.
@@ -80,13 +81,7 @@ def run(args) -> int:
 
     if args.batch_size < 1:
         raise SpecdraftError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.max_new_tokens < 1:
-        raise SpecdraftError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.max_context is not None and args.max_context < 16:
-        raise SpecdraftError(f"--max-context must be >= 16, got {args.max_context}")
-    if any(s == "" for s in args.stop):
-        raise SpecdraftError("--stop needs a non-empty string (an empty one would stop at once)")
-    check_draft_tokens(args.draft_tokens)
+    check_generation_args(args)
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     profile = _simulation(args, sampling)
     prompts = collect_prompts(args)

@@ -376,3 +376,38 @@ def test_a_tied_head_drafter_cannot_read_the_blocks_table(llama_gguf, tmp_path, 
     model = rt.model
     model.embed_tokens.weight = torch.nn.Parameter(torch.zeros(3, 4), requires_grad=False)  # values, not bytes
     assert model.head_weight.shape == (3, 4)
+
+
+def test_full_layers_with_their_own_kv_heads_without_k_eq_v(tmp_path, monkeypatch):
+    """Full layers with their own head dim and KV heads that keep v_proj (no attention_k_eq_v;
+    transformers states both shapes in per_layer_config), converted by llama.cpp's converter: the
+    header reads back as those shapes, and the file loads from its blocks and computes near
+    transformers' model holding the file's weights."""
+    from specdraft.config import FULL, SLIDING
+    from specdraft.loading.gguf_file import gguf_config
+    from specdraft.models.architectures.gemma4_config import gemma4_params
+    from specdraft.models.architectures.hf_config import read_model_config
+
+    converter = converter_dir()
+    if converter is None:
+        pytest.skip("llama.cpp's converter is not unpacked")
+    types = target_text_config(**CONFIG).layer_types
+    own = {str(i): {"head_dim": 32, "num_key_value_heads": 1} for i, t in enumerate(types) if t == FULL}
+    model = randomize_(transformers.Gemma4ForCausalLM(target_text_config(**CONFIG, attention_k_eq_v=False,
+                                                                         per_layer_config=own)), 6).eval()
+    full = types.index(FULL)
+    assert model.model.layers[full].self_attn.v_proj.out_features == 32  # V kept, 1 KV head of 32
+    folder = tmp_path / "hf"
+    model.save_pretrained(folder)
+    write_bpe_tokenizer(folder, VOCAB)
+    path = convert(converter, folder, "q8_0", tmp_path / "own-kv.gguf")
+    params = gemma4_params(read_model_config(gguf_config(path)))
+    assert params.head_dim == {SLIDING: 16, FULL: 32} and params.num_kv_heads == {SLIDING: 2, FULL: 1}
+    assert not params.attention_k_eq_v
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    ours = our_logits(Runtime.load(str(path), progress=False).model, prompts_of([16], VOCAB, seed=8)[0])
+    oracle, _ = file_weights_model((model, folder), path)
+    with torch.inference_mode():
+        ref = oracle(torch.tensor([prompts_of([16], VOCAB, seed=8)[0]])).logits[0].float()
+    assert (ours - ref).abs().max().item() < 0.6 * ref.std().item()  # as the main test's bound (int8 rows)
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8

@@ -125,9 +125,13 @@ def gemma4_config(path: Path, reader, tensors: dict, vocab: int) -> dict[str, An
     # Full layers that store K/V but have no attn_v use the K projection as V.
     k_eq_v = bool(full_layers) and all(f"blk.{i}.attn_v.weight" not in tensors for i in full_layers)
     if "num_global_key_value_heads" in cfg and not k_eq_v:
-        full_kv = cfg.pop("num_global_key_value_heads")  # only per_layer_config states this without k_eq_v
-        cfg["per_layer_config"] = {str(i): {"num_key_value_heads": full_kv} for i, t in enumerate(cfg["layer_types"])
-                                   if t == FULL}
+        # Only per_layer_config states the full layers' KV heads without k_eq_v (transformers
+        # ignores num_global_key_value_heads then), and where it is present it states their head
+        # dim too (readers fall back to the sliding head_dim, not to global_head_dim): both, as
+        # transformers writes it and as llama.cpp's converter reads it back.
+        full_kv = cfg.pop("num_global_key_value_heads")
+        cfg["per_layer_config"] = {str(i): {"head_dim": cfg["global_head_dim"], "num_key_value_heads": full_kv}
+                                   for i, t in enumerate(cfg["layer_types"]) if t == FULL}
     ff = _per_layer(path, reader, f"{arch}.feed_forward_length", n)
     double = [2 * ff[0] if i >= first_shared else ff[0] for i in range(n)]
     if ff != [ff[0]] * n and ff != double:

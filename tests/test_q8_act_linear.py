@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -18,7 +19,8 @@ from test_gguf_weights import write_quantised_gguf
 from test_quant import repetitive_prompts, speculative_equals_plain
 from specdraft.models.formats import q8_act_linear
 from specdraft.models.kernels import build
-from specdraft.models.formats.block_linear import Blocks
+from specdraft.loading.gguf_blocks import decode_blocks
+from specdraft.models.formats.block_linear import Blocks, TwoLevel
 from specdraft.models.formats.q8_act_linear import Q8ActLinear
 
 kernel = pytest.mark.skipif(not q8_act_linear.kernel_available(), reason="no AVX2 CPU or no C compiler here")
@@ -100,6 +102,60 @@ def test_fp16_scales_give_the_float32_scales_bits(group: int, low: int, high: in
     assert Q8ActLinear(Blocks(exact.codes, exact.scales, offsets, group), None).scales.dtype == torch.float32
 
 
+def two_level_blocks(n: int, k: int, group: int, low: int, high: int, offsets: bool, seed: int) -> Blocks:
+    """Blocks whose scales (and offsets) are K-quant style: an int8 multiplier per group times an fp16
+    factor per 256 inputs, with the parts kept beside the products."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(low, high + 1, (n, k), dtype=torch.int8, generator=gen)
+
+    def parts(top: int) -> TwoLevel:
+        multipliers = torch.randint(-top if group == 16 else 0, top + 1, (n, k // group), dtype=torch.int8, generator=gen)
+        return TwoLevel(multipliers, (torch.rand(n, k // 256, generator=gen) * 1e-3).half())
+
+    def values(p: TwoLevel) -> torch.Tensor:
+        return p.multipliers.float() * p.factors.float().repeat_interleave(256 // group, dim=1)
+
+    scale_parts = parts(127 if group == 16 else 63)
+    offset_parts = parts(63) if offsets else None
+    return Blocks(codes, values(scale_parts), None if offset_parts is None else values(offset_parts), group,
+                  scale_parts, offset_parts)
+
+
+@kernel
+@pytest.mark.parametrize("group,low,high,offsets", [(32, 0, 15, True), (16, -32, 31, False), (32, -127, 127, False)])
+def test_k_quant_scales_kept_two_level_give_the_float32_scales_bits(group, low, high, offsets) -> None:
+    """Q4_K / Q6_K scales kept as the file keeps them (6-bit or int8 multipliers and an fp16 factor
+    per 256 inputs): a quarter of float32's bytes, the same float32 numbers in the kernel, so the
+    same outputs bit for bit; parts that do not multiply back exactly are not used."""
+    blocks = two_level_blocks(48, 512, group, low, high, offsets, seed=group + high)
+    layer = Q8ActLinear(blocks, None)
+    assert layer.kernel_layout & q8_act_linear.TWO_LEVEL
+    plain = Q8ActLinear(Blocks(blocks.codes, blocks.scales, blocks.offsets, group), None)
+    assert not plain.kernel_layout & q8_act_linear.TWO_LEVEL
+    assert layer.scales.numel() * layer.scales.element_size() * 3 < plain.scales.numel() * plain.scales.element_size()
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))
+    for m in range(1, 10):
+        assert torch.equal(layer(x[:m]), plain(x[:m]))
+    off = Blocks(blocks.codes, blocks.scales * 1.5, blocks.offsets, group, blocks.scale_parts, blocks.offset_parts)
+    assert not Q8ActLinear(off, None).kernel_layout & q8_act_linear.TWO_LEVEL  # parts disagree: float32
+
+
+@kernel
+def test_six_bit_codes_in_two_planes_give_the_byte_layouts_bits() -> None:
+    """Codes of at most 64 values (Q6_K, Q5_0) are kept as a nibble plane and a 2-bit plane (0.75
+    bytes a code): each output equals the byte layout's, which a wider code span elsewhere forces."""
+    blocks = random_blocks(48, 256, 16, -32, 31, False, seed=5)
+    six = Q8ActLinear(blocks, None)
+    assert six.layout == q8_act_linear.SIXBITS and six.packed_codes.numel() == 48 * 256 * 3 // 4
+    wider = Blocks(torch.cat([blocks.codes, torch.full((16, 256), 100, dtype=torch.int8)]),
+                   torch.cat([blocks.scales, blocks.scales[:16]]), None, 16)
+    bytes_layout = Q8ActLinear(wider, None)
+    assert bytes_layout.layout in (q8_act_linear.BYTES, q8_act_linear.SIGNED)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(3))
+    for m in (1, 4, 5, 9):
+        assert torch.equal(six(x[:m]), bytes_layout(x[:m])[:, :48])
+
+
 @kernel
 @pytest.mark.parametrize("group,span", [(32, 15), (16, 15), (32, 31), (16, 63), (32, 64), (32, 65), (32, 128)])
 def test_16_bit_sums_at_their_largest_stay_exact(group: int, span: int) -> None:
@@ -128,11 +184,49 @@ def test_the_avx2_loops_give_the_vnni_loops_bits(group, low, high, offsets, k, m
     the same tokens on AVX2 and AVX-512 machines (wide codes, split into nibbles on AVX2, included)."""
     blocks, bias = random_blocks(48, k, group, low, high, offsets, seed=k + 1), torch.randn(48)
     x = torch.randn(9, k) * torch.linspace(0.1, 3.0, k)
+    kquant = two_level_blocks(48, 512, group, low, high, offsets, seed=k) if k % 64 == 0 else None
     outs = []
     for avx512 in (True, False):  # each build packs the codes its own way (signed ones on AVX2)
         monkeypatch.setattr(build, "library", lambda avx512=avx512: build.library_for(avx512))
         outs.append(Q8ActLinear(blocks, bias)(x))
-    assert torch.equal(outs[0], outs[1])
+        if kquant is not None:
+            outs.append(Q8ActLinear(kquant, None)(torch.randn(9, 512, generator=torch.Generator().manual_seed(4))))
+    for vnni, avx2 in zip(outs[: len(outs) // 2], outs[len(outs) // 2:]):
+        assert torch.equal(vnni, avx2)
+
+
+def random_gguf_bytes(fmt: str, n: int, k: int, seed: int) -> np.ndarray:
+    """Random GGUF blocks of a format with small, finite fp16 scales (d, dmin)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
+    raw = np.random.default_rng(seed).integers(0, 256, size=(n * k // values, nbytes), dtype=np.uint8)
+    for at in {"Q8_0": [0], "Q4_K": [0, 2], "Q6_K": [208]}[fmt]:
+        raw[:, at:at + 2] = np.frombuffer(np.float16(0.004 + at / 1e4).tobytes(), np.uint8)
+    return raw
+
+
+@kernel
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("avx512", [True, False])
+def test_matrices_laid_out_from_the_files_bytes_give_the_decoded_blocks_bits(fmt: str, avx512: bool,
+                                                                               monkeypatch) -> None:
+    """gguf_repack.c lays a Q8_0 / Q4_K / Q6_K matrix out straight from the file's bytes: the same
+    outputs, bit for bit at every row count, as packing the decoded blocks; bytes of another
+    length are not taken."""
+    if avx512 and not build.avx512_here():
+        pytest.skip("no AVX-512 VNNI here")
+    monkeypatch.setattr(build, "library", lambda: build.library_for(avx512))
+    n, k = 48, 512
+    raw = random_gguf_bytes(fmt, n, k, seed=len(fmt))
+    decoded = Q8ActLinear(decode_blocks(raw, fmt, (n, k)), None)
+    laid_out = Q8ActLinear.from_file(torch.from_numpy(raw.reshape(-1)), fmt, n, k)
+    assert laid_out.kernel_layout == decoded.kernel_layout
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(6))
+    for m in (1, 2, 4, 5, 9):
+        assert torch.equal(laid_out(x[:m]), decoded(x[:m]))
+    assert Q8ActLinear.from_file(torch.from_numpy(raw.reshape(-1)[:-1]), fmt, n, k) is None
+    assert Q8ActLinear.from_file(torch.from_numpy(raw.reshape(-1)), "Q5_0", n, k) is None
 
 
 def test_the_kernel_refuses_shapes_it_does_not_take() -> None:

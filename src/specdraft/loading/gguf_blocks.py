@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.formats.block_linear import Blocks
+from specdraft.models.formats.block_linear import Blocks, TwoLevel
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -67,9 +67,10 @@ def _q4_k(b):  # 256 values: d, dmin, 12 bytes of 6-bit scales and mins, 128 byt
     d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
     packed = b[:, 4:16].reshape(n, 3, 4)
     lo, hi, mixed = packed[:, 0], packed[:, 1], packed[:, 2]
-    sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=1).astype(np.float32)
-    mn = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=1).astype(np.float32)
-    return _nibbles(b[:, 16:], 32).astype(np.int8), d * sc, dmin * mn, 32
+    sc = np.concatenate([lo & 0x3F, (mixed & 0x0F) | ((lo >> 2) & 0x30)], axis=1)
+    mn = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 2) & 0x30)], axis=1)
+    codes = _nibbles(b[:, 16:], 32).astype(np.int8)
+    return codes, d * sc.astype(np.float32), dmin * mn.astype(np.float32), 32, (sc, d, mn, dmin)
 
 
 def _q6_k(b):  # 256 values: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8 scales, d
@@ -78,11 +79,13 @@ def _q6_k(b):  # 256 values: 128 bytes low 4 bits, 64 bytes high 2 bits, 16 int8
     high = (b[:, 128:192].reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     q = (low | (high.reshape(n, 8, 32) << 4)).astype(np.int8) - 32
     scales = b[:, 192:208].view(np.int8).astype(np.float32)
-    return q.reshape(n, 256), _f16(b[:, 208:210]) * scales, None, 16
+    d = _f16(b[:, 208:210])
+    return q.reshape(n, 256), d * scales, None, 16, (b[:, 192:208].view(np.int8), d, None, None)
 
 
-# format name -> decoder of [blocks, bytes per block] -> (codes, scales, offsets, group); the
-# block sizes are gguf-py's (GGML_QUANT_SIZES)
+# format name -> decoder of [blocks, bytes per block] -> (codes, scales, offsets, group), and for
+# K-quants the scales' and offsets' parts as stored (multipliers, factor, offset multipliers, offset
+# factor); the block sizes are gguf-py's (GGML_QUANT_SIZES)
 _DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
 SUPPORTED_BLOCK_FORMATS = tuple(_DECODERS)
 
@@ -93,13 +96,20 @@ def decode_blocks(data: np.ndarray, fmt: str, shape: tuple[int, int]) -> Blocks:
 
     _, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[fmt]]
     n, _ = shape
-    codes, scales, offsets, group = _DECODERS[fmt](np.ascontiguousarray(data).reshape(-1, nbytes))
+    codes, scales, offsets, group, *parts = _DECODERS[fmt](np.ascontiguousarray(data).reshape(-1, nbytes))
 
     def rows(a):
         return torch.from_numpy(np.ascontiguousarray(a).reshape(n, -1))
 
+    def two_level(multipliers, factors):  # per super-block factors -> [N, K / 256]
+        return None if multipliers is None else TwoLevel(rows(multipliers.view(np.int8)), rows(factors.astype(np.float16)))
+
+    scale_parts = offset_parts = None
+    if parts:
+        sc, d, mn, dmin = parts[0]
+        scale_parts, offset_parts = two_level(sc, d), two_level(mn, dmin)
     return Blocks(rows(codes.astype(np.int8)), rows(scales.astype(np.float32)),
-                  None if offsets is None else rows(offsets.astype(np.float32)), group)
+                  None if offsets is None else rows(offsets.astype(np.float32)), group, scale_parts, offset_parts)
 
 
 # In a folder converted from a GGUF; a subfolder, so that loading the folder's *.safetensors skips it.

@@ -4,7 +4,8 @@ The model is built on the meta device from the header's config, then filled tens
 from a private memory map of the file:
 - block-quantised matrices (Q8_0, Q4_K, Q6_K, Q4_0/1, Q5_0/1) become int8-activation kernel
   linears (models/formats/q8_act_linear.py, llama.cpp's own Q8_0 activation arithmetic) straight
-  from their codes: one matrix's transients at a time, handed back to the OS after each;
+  from their codes: Q8_0, Q4_K and Q6_K laid out in C from the file's bytes, the others decoded
+  first, one matrix's transients at a time, handed back to the OS after each;
 - F16 / BF16 / F32 matrices are compacted as a checkpoint's are under --weights q8;
 - the expert stacks of a MoE model become one such linear per expert and part;
 - the token and per-layer tables stay views of the file in their block format, dequantised a
@@ -103,6 +104,9 @@ def _kernel_linear(fmt: str, n: int, k: int, raw: torch.Tensor, name: str, kept:
     """One matrix's linear: the kernel over its own blocks, or (plain floats) compacted as a
     checkpoint's are under q8; float32 where the kernel takes no such shape (named in `kept`)."""
     if fmt in SUPPORTED_BLOCK_FORMATS:
+        laid_out = Q8ActLinear.from_file(raw, fmt, n, k)  # Q8_0 / Q4_K / Q6_K: in C, from the bytes
+        if laid_out is not None:
+            return laid_out
         try:
             blocks = decode_blocks(raw.numpy(), fmt, (n, k))
         except ValueError as e:

@@ -39,6 +39,15 @@ from specdraft.models.kernels.decoder_layer import BLOCKS, PACKED_BLOCKS, Linear
 KERNEL_ROWS = 64  # float32 prompts: chunks wider than this take the GEMM (see above)
 
 @dataclass
+class TwoLevel:
+    """Per-group values as K-quants store them: values[n, g] = multipliers[n, g] * factors[n, g * group // 256],
+    exact in float32 (a 6-bit or int8 multiplier times an fp16 factor per 256 inputs)."""
+
+    multipliers: torch.Tensor  # int8 [N, K / group]
+    factors: torch.Tensor  # float16 [N, K / 256]
+
+
+@dataclass
 class Blocks:
     """w[n, k] = fl(fl(scales[n, k // group] * codes[n, k]) - offsets[n, k // group])."""
 
@@ -46,6 +55,8 @@ class Blocks:
     scales: torch.Tensor  # float32 [N, K / group]
     offsets: torch.Tensor | None  # float32 [N, K / group]; None: all zero
     group: int
+    scale_parts: TwoLevel | None = None  # scales as the file keeps them (K-quants), where known
+    offset_parts: TwoLevel | None = None
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weights, rounded as llama.cpp rounds them (a multiply, then a subtract)."""

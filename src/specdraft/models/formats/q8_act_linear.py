@@ -20,13 +20,16 @@ import torch
 from torch import nn
 
 from specdraft.errors import SpecdraftError
-from specdraft.models.formats.block_linear import BlockLinear, Blocks
+from specdraft.models.formats.block_linear import BlockLinear, Blocks, TwoLevel
+from specdraft.models.formats.huge_pages import empty_huge, huge_copy
 from specdraft.models.kernels import build
 from specdraft.models.kernels.decoder_layer import Q8_ACT, Linear, pointer
 
 OUT_BLOCK = 16  # outputs interleaved per 64-byte step (q8_act_gemv.c)
 ACT_GROUP = 32  # inputs per activation scale
-HALF_SCALES = 4  # q8_act_gemv.c's flag on `layout`: fp16 scales
+BYTES, NIBBLES, SIGNED, SIXBITS = 0, 1, 2, 3  # q8_act_gemv.c's code layouts
+HALF_SCALES, TWO_LEVEL = 4, 8  # q8_act_gemv.c's flags on `layout`: fp16 scales, K-quant scales
+SUPER = 256  # inputs per factor of two-level scales
 
 
 def kernel_available() -> bool:
@@ -47,14 +50,42 @@ def interleave_codes(codes: torch.Tensor, nibbles: bool) -> torch.Tensor:
     n, k = codes.shape
     if nibbles:
         u = codes.view(n // OUT_BLOCK, OUT_BLOCK, k // 8, 2, 4).permute(0, 2, 3, 1, 4)
-        return (u[:, :, 0] | (u[:, :, 1] << 4)).contiguous()
-    return codes.view(n // OUT_BLOCK, OUT_BLOCK, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        return u[:, :, 0] | (u[:, :, 1] << 4)
+    return codes.view(n // OUT_BLOCK, OUT_BLOCK, k // 4, 4).permute(0, 2, 1, 3)  # a view: copied once, by the caller
+
+
+def interleave_sixbits(codes: torch.Tensor) -> torch.Tensor:
+    """Unsigned codes u < 64 [N, K] -> per block of 16 outputs and quad of 4 steps (16 inputs):
+    the low nibbles as `interleave_codes` keeps them (128 bytes), then a byte per (output, input)
+    slot holding the 4 steps' high 2 bits, step j in bits 2j and 2j + 1 (64 bytes)."""
+    n, k = codes.shape
+    nib = interleave_codes(codes & 15, nibbles=True).reshape(n // OUT_BLOCK, k // 16, 128)
+    high = (codes >> 4).view(n // OUT_BLOCK, OUT_BLOCK, k // 16, 4, 4).permute(0, 2, 1, 4, 3)  # [.., out, in, step]
+    two = high[..., 0] | (high[..., 1] << 2) | (high[..., 2] << 4) | (high[..., 3] << 6)
+    return torch.cat([nib, two.reshape(n // OUT_BLOCK, k // 16, 64)], dim=-1)
 
 
 def by_output_block(t: torch.Tensor) -> torch.Tensor:
     """Per-group values [N, K/G] -> [N/16, K/G, 16], the order the kernel reads them."""
     n, groups = t.shape
     return t.view(n // OUT_BLOCK, OUT_BLOCK, groups).permute(0, 2, 1).contiguous()
+
+
+def two_level_bytes(parts: TwoLevel) -> torch.Tensor:
+    """K-quant scales as q8_act_gemv.c reads them: per block of 16 outputs, the int8 multipliers
+    [K/G, 16], then the fp16 factors [K/256, 16], as bytes."""
+    blocks = parts.multipliers.shape[0] // OUT_BLOCK
+    multipliers = by_output_block(parts.multipliers).view(torch.uint8).view(blocks, -1)
+    factors = by_output_block(parts.factors).view(torch.uint8).view(blocks, -1)
+    return torch.cat([multipliers, factors], dim=1).contiguous()
+
+
+def _exact_parts(values: torch.Tensor | None, parts: TwoLevel | None, group: int) -> bool:
+    """Whether the parts multiply back to exactly these values (so the kernel's scales are the same)."""
+    if values is None or parts is None or values.shape[1] * group % SUPER:
+        return False
+    factors = parts.factors.float().repeat_interleave(SUPER // group, dim=1)
+    return factors.shape == values.shape and bool((parts.multipliers.float() * factors == values).all())
 
 
 def q8_act_mm(rows: torch.Tensor, codes: torch.Tensor, layout: int, base: int, code_max: int, scales: torch.Tensor,
@@ -125,11 +156,12 @@ class Q8ActLinear(nn.Module):
         self.code_base = base = int(blocks.codes.min())
         span = int(blocks.codes.max()) - base
         self.nibbles = span <= 15  # 4-bit codes (Q4_K, Q4_0/1) stay two a byte
-        # The kernel's layout (q8_act_gemv.c): 0 unsigned bytes, 1 nibbles, 2 signed bytes. AVX2's
-        # 16-bit pair sums are exact for unsigned codes spanning at most 129 values; wider ones
-        # (Q8_0, int8_blocks) go signed there, with |c| against rows signed by c.
+        six = not self.nibbles and span <= 63  # Q6_K, Q5_0/1: a nibble plane and a 2-bit plane
+        # The kernel's layout (q8_act_gemv.c). AVX2's 16-bit pair sums are exact for unsigned codes
+        # spanning at most 129 values; wider ones (Q8_0, int8_blocks) go signed there, with |c|
+        # against rows signed by c.
         signed = span > 129 and not build.library_is_avx512()
-        self.layout = 1 if self.nibbles else 2 if signed else 0
+        self.layout = NIBBLES if self.nibbles else SIXBITS if six else SIGNED if signed else BYTES
         if signed:
             self.code_base = 0
             codes = blocks.codes.view(torch.uint8)  # the int8 bits as they are
@@ -137,19 +169,74 @@ class Q8ActLinear(nn.Module):
         else:
             codes = (blocks.codes.to(torch.int16) - base).to(torch.uint8)
             self.code_max = span
-        self.register_buffer("packed_codes", interleave_codes(codes, self.nibbles))
-        scales = blocks.scales.float()
-        # fp16 scales where each is exactly its float32 value (Q8_0's are, as the file stores them)
-        # and there are no offsets: the same numbers in half the bytes (the head reads 6% less)
-        half = blocks.offsets is None and bool((scales.half().float() == scales).all())
-        self.register_buffer("scales", by_output_block(scales.half() if half else scales))
-        self.register_buffer("offsets", None if blocks.offsets is None else by_output_block(blocks.offsets.float()))
+        packed = interleave_sixbits(codes) if six else interleave_codes(codes, self.nibbles)
+        # 2 MB pages: a step streams every matrix once, and with 4 KB pages each 4 KB costs a TLB
+        # miss (a page walk) on the way (BENCHMARKS.md: the gain, measured)
+        self.register_buffer("packed_codes", huge_copy(packed))
+        self.register_buffer("scales", None)
+        self.register_buffer("offsets", None)
+        self._pack_scales(blocks)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    # GGUF formats gguf_repack.c lays out straight from the file: (format id, code base, largest
+    # unsigned code, group, code layout, scale form, bytes a super-block of 256 values)
+    FROM_FILE = {"Q8_0": (0, -128, 255, 32, BYTES, HALF_SCALES, 8 * 34), "Q4_K": (1, 0, 15, 32, NIBBLES, TWO_LEVEL, 144),
+                 "Q6_K": (2, -32, 63, 16, SIXBITS, TWO_LEVEL, 210)}
+
+    @classmethod
+    def from_file(cls, raw: torch.Tensor, fmt: str, n: int, k: int) -> "Q8ActLinear | None":
+        """The linear of an [n, k] matrix whose GGUF bytes are `raw` (uint8), laid out in C straight
+        from them (kernels/gguf_repack.c: the same outputs as packing the decoded blocks); None
+        where that path does not take the format or shape."""
+        if fmt not in cls.FROM_FILE or n % OUT_BLOCK or k % SUPER or not kernel_available():
+            return None
+        fid, base, top, group, layout, form, per_super = cls.FROM_FILE[fmt]
+        if raw.numel() != n * k // SUPER * per_super:
+            return None
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features, self.group = n, k, group
+        self.nibbles = layout == NIBBLES
+        signed = layout == BYTES and not build.library_is_avx512()
+        self.layout = SIGNED if signed else layout
+        self.code_base, self.code_max = (0, 128) if signed else (base, top)
+        code_bytes = {BYTES: k * n, NIBBLES: k * n // 2, SIXBITS: k * n * 3 // 4}[layout]
+        blocks = n // OUT_BLOCK
+        if form == HALF_SCALES:
+            scales = empty_huge((blocks, k // group, OUT_BLOCK), torch.float16)
+        else:
+            scales = torch.empty(blocks, (k // group) * OUT_BLOCK + (k // SUPER) * OUT_BLOCK * 2, dtype=torch.uint8)
+        offsets = torch.empty_like(scales) if fmt == "Q4_K" else None
+        codes = empty_huge((blocks, code_bytes // blocks), torch.uint8)
+        build.library().gguf_repack(raw.data_ptr(), fid, n, k, int(signed), codes.data_ptr(), scales.data_ptr(),
+                                    None if offsets is None else offsets.data_ptr(), torch.get_num_threads())
+        self.register_buffer("packed_codes", codes)
+        self.register_buffer("scales", scales)
+        self.register_buffer("offsets", offsets)
+        self.bias = None
+        return self
+
+    def _pack_scales(self, blocks: Blocks) -> None:
+        """The per-group scales (and offsets) in the fewest bytes that give the kernel the same float32
+        numbers: two-level as a K-quant file stores them, fp16 where each scale is exactly one (Q8_0's
+        are) and there are no offsets, else float32."""
+        scales, offsets, group = blocks.scales.float(), blocks.offsets, blocks.group
+        if _exact_parts(scales, blocks.scale_parts, group) and (
+                offsets is None or _exact_parts(offsets.float(), blocks.offset_parts, group)):
+            self.scales = two_level_bytes(blocks.scale_parts)
+            self.offsets = None if offsets is None else two_level_bytes(blocks.offset_parts)
+            return
+        if offsets is None and bool((scales.half().float() == scales).all()):
+            scales = scales.half()
+        self.scales = by_output_block(scales)
+        self.offsets = None if offsets is None else by_output_block(offsets.float())
 
     @property
     def kernel_layout(self) -> int:
-        """`layout` as q8_act_gemv.c takes it: the codes' layout, with HALF_SCALES for fp16 scales."""
-        return self.layout | (HALF_SCALES if self.scales.dtype == torch.float16 else 0)
+        """`layout` as q8_act_gemv.c takes it: the codes' layout and the scales' form (two-level
+        scales are kept as bytes, fp16 ones as float16)."""
+        form = {torch.uint8: TWO_LEVEL, torch.float16: HALF_SCALES}.get(self.scales.dtype, 0)
+        return self.layout | form
 
     def c_linear(self) -> Linear:
         """How decoder_layer.c reads these weights (Q8_ACT plus the codes' layout)."""

@@ -13,7 +13,7 @@ void block_gemv_packed(const float *x, const uint8_t *nibbles, const float *scal
 void q8_act_quantize(const float *x, int64_t M, int64_t K, int64_t G, int8_t *q, float *a, float *b, int32_t *sums,
                      int threads);
 void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t *sums, const uint8_t *codes,
-                 int layout, int32_t base, int32_t code_max, const void *s, const float *o, float *y, int64_t M,
+                 int layout, int32_t base, int32_t code_max, const void *s, const void *o, float *y, int64_t M,
                  int64_t N, int64_t K, int64_t G, int threads);
 void rms_norm_rows(const float *x, const float *weight, const float *residual, float *out, int64_t N, int64_t D,
                    float eps, int threads);

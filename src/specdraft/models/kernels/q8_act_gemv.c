@@ -33,18 +33,61 @@
 #define OUT_BLOCK 16 /* outputs interleaved per 64-byte step */
 #define ROW_BLOCK 8 /* rows per pass over a block of outputs: at 8, 8 int32 + 8 float accumulators */
 
-/* How the codes are kept (`layout`): unsigned u = c - base one a byte or two a byte, or (AVX2 only)
- * the signed codes c themselves, one a byte, for codes spanning more than 129 values. Plus the flag
- * Q8_HALF_SCALES: the scales are fp16 (each exactly its float32 value: Q8_0's are, as the file
- * stores them), half the bytes of float32 ones; with Q8_0's one scale per 32 codes that is 6% less
- * for the head to read (BENCHMARKS.md). */
-enum { Q8_BYTES = 0, Q8_NIBBLES = 1, Q8_SIGNED = 2, Q8_LAYOUT_MASK = 3, Q8_HALF_SCALES = 4 };
+/* How the codes are kept (`layout`): unsigned u = c - base one a byte, two a byte (4-bit), or
+ * (Q8_SIXBITS, codes of at most 6 bits: Q6_K, Q5_0/1) as a nibble plane and a 2-bit plane, or (AVX2
+ * only) the signed codes c themselves, one a byte, for codes spanning more than 129 values. Plus
+ * how the scales (and offsets) are kept: float32, fp16 (Q8_HALF_SCALES: each exactly its float32
+ * value, as Q8_0's are in the file; 6% less for the head to read, BENCHMARKS.md), or two-level
+ * (Q8_TWO_LEVEL: an int8 multiplier per group times an fp16 factor per 256 inputs, K-quants as the
+ * file stores them; the product is exact in float32, so the same numbers in a quarter of the bytes).
+ * Every form gives a group the same float32 scale, so the same bits. */
+enum { Q8_BYTES = 0, Q8_NIBBLES = 1, Q8_SIGNED = 2, Q8_SIXBITS = 3, Q8_LAYOUT_MASK = 3, Q8_HALF_SCALES = 4,
+       Q8_TWO_LEVEL = 8 };
+enum { SCALES_F32 = 0, SCALES_F16 = 1, SCALES_TWO_LEVEL = 2 };
+#define SUPER 256 /* inputs per fp16 factor of two-level scales */
 
-/* The 8 (16) float32 scales from s[i] on: fp16 widened exactly, or float32. */
-static inline __m256 scales8(const void *s, int half, int64_t i) {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + i)))
-                : _mm256_loadu_ps((const float *)s + i);
+/* Per block of 16 outputs, two-level values are int8 m[K/G][16], then fp16 d[K/SUPER][16]. */
+static inline int64_t block_scale_bytes(int mode, int64_t K, int64_t G)
+{
+    const int64_t groups = K / G;
+    return mode == SCALES_TWO_LEVEL ? groups * OUT_BLOCK + (K / SUPER) * OUT_BLOCK * 2
+                                    : groups * OUT_BLOCK * (mode == SCALES_F16 ? 2 : 4);
 }
+
+/* The 8 float32 values of group g for outputs 8h..8h+7 of a block, in any of the three forms. */
+static inline __m256 scales8(const void *s, int mode, int64_t g, int h, int64_t K, int64_t G)
+{
+    const int64_t i = g * OUT_BLOCK + 8 * h;
+    if (mode == SCALES_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)s + i)));
+    if (mode == SCALES_TWO_LEVEL) {
+        const int8_t *m = (const int8_t *)s;
+        const uint16_t *d = (const uint16_t *)(m + (K / G) * OUT_BLOCK) + (g * G / SUPER) * OUT_BLOCK + 8 * h;
+        const __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(m + i))));
+        return _mm256_mul_ps(mv, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)));
+    }
+    return _mm256_loadu_ps((const float *)s + i);
+}
+
+#if defined(__AVX512F__)
+static inline __m512 scales16(const void *s, int mode, int64_t g, int64_t K, int64_t G)
+{
+    const int64_t i = g * OUT_BLOCK;
+    if (mode == SCALES_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + i)));
+    if (mode == SCALES_TWO_LEVEL) {
+        const int8_t *m = (const int8_t *)s;
+        const uint16_t *d = (const uint16_t *)(m + (K / G) * OUT_BLOCK) + (g * G / SUPER) * OUT_BLOCK;
+        const __m512 mv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(m + i))));
+        return _mm512_mul_ps(mv, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d)));
+    }
+    return _mm512_loadu_ps((const float *)s + i);
+}
+#endif
+
+/* Six-bit codes, per block of 16 outputs and quad of 4 steps (16 inputs), 192 bytes: the two step
+ * pairs' nibbles as Q8_NIBBLES keeps them (64 + 64), then 64 bytes whose bits 2j, 2j + 1 are step
+ * j's high two bits for the same (output, input) slot. A 16-bit shift never brings a kept bit
+ * across bytes: each result is masked to its own byte's bits 4-5. */
+#define SIX_QUAD 192
 
 /* One 32-input block of a row: its codes into qb, its scale t, and the sums of its two halves'
  * codes. q = round(x / t) to nearest even; |x / t| <= 127 up to a rounding, which rounds to 127. */
@@ -132,72 +175,79 @@ void q8_act_quantize(const float *x, int64_t M, int64_t K, int64_t G, int8_t *q,
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 static inline __m512i bcast4(const int8_t *q) { return _mm512_set1_epi32(*(const int32_t *)q); }
 
+/* Six-bit codes: step j of a quad (0-3) from its nibble (pair j / 2, low or high) and its 2 bits. */
+static inline __m512i six_step(__m512i nib, __m512i two, int j)
+{
+    const __m512i low = _mm512_set1_epi8(15), top = _mm512_set1_epi8(0x30);
+    const __m512i n = (j & 1) ? _mm512_and_si512(_mm512_srli_epi16(nib, 4), low) : _mm512_and_si512(nib, low);
+    const __m512i t = j == 0 ? _mm512_slli_epi16(two, 4) : j == 1 ? _mm512_slli_epi16(two, 2)
+                    : j == 2 ? two : _mm512_srli_epi16(two, 2);
+    return _mm512_or_si512(n, _mm512_and_si512(t, top));
+}
+
 /* One block of 16 outputs against MB rows. Up to 4 rows, two int32 sums per row (even and odd
  * steps) keep enough dependency chains in flight; from 5 rows one per row does, in fewer
  * registers. Integer sums are exact, so the chains change no bit, and a group's epilogue is the
- * same either way. `codes` points at the block's steps; NIBBLES: 32 bytes a step pair, else 64
- * bytes a step. */
-#define TILE(MB, NAME, NIBBLES)                                                                      \
-static void NAME##_##MB(const uint8_t *codes, int32_t base, const void *s, int half, const float *o, \
+ * same either way. `codes` points at the block's steps: 64 bytes a step (bytes), 64 a step pair
+ * (nibbles), SIX_QUAD a quad of steps (six bits); a pass of the inner loop takes PASS steps. */
+#define TILE(MB, NAME, LAYOUT)                                                                       \
+static void NAME##_##MB(const uint8_t *codes, int32_t base, const void *s, int smode, const void *o, \
                         const int8_t *q, const float *a, const float *b, const int32_t *sums,       \
                         float *y, int64_t m0, int64_t K, int64_t G, int64_t N, int64_t n0) {        \
     __m512 acc[MB];                                                                                 \
     for (int r = 0; r < MB; r++) acc[r] = _mm512_setzero_ps();                                     \
-    const int64_t groups = K / G, steps = G / 4;                                                    \
+    const int64_t groups = K / G, steps = G / 4, pass = LAYOUT == Q8_SIXBITS ? 4 : 2;               \
     for (int64_t g = 0; g < groups; g++) {                                                          \
         __m512i sum0[MB], sum1[MB];                                                                 \
         for (int r = 0; r < MB; r++) sum0[r] = sum1[r] = _mm512_setzero_si512();                    \
-        for (int64_t st = 0; st < steps; st += 2) {                                                 \
+        for (int64_t st = 0; st < steps; st += pass) {                                              \
             const int64_t k = g * G + 4 * st;                                                       \
-            __m512i w0, w1;                                                                         \
-            if (NIBBLES) {                                                                          \
+            __m512i w[4];                                                                           \
+            if (LAYOUT == Q8_SIXBITS) {                                                             \
+                const uint8_t *at = codes + (g * steps + st) / 4 * SIX_QUAD;                        \
+                const __m512i n0 = _mm512_loadu_si512(at), n1 = _mm512_loadu_si512(at + 64);        \
+                const __m512i two = _mm512_loadu_si512(at + 128);                                   \
+                w[0] = six_step(n0, two, 0), w[1] = six_step(n0, two, 1);                           \
+                w[2] = six_step(n1, two, 2), w[3] = six_step(n1, two, 3);                           \
+            } else if (LAYOUT == Q8_NIBBLES) {                                                      \
                 const __m512i byte = _mm512_loadu_si512(codes + (g * steps + st) * 32);             \
                 const __m512i low = _mm512_set1_epi8(15);                                           \
-                w0 = _mm512_and_si512(byte, low);                                                   \
-                w1 = _mm512_and_si512(_mm512_srli_epi16(byte, 4), low);                             \
+                w[0] = _mm512_and_si512(byte, low);                                                 \
+                w[1] = _mm512_and_si512(_mm512_srli_epi16(byte, 4), low);                           \
             } else {                                                                                \
-                w0 = _mm512_loadu_si512(codes + (g * steps + st) * 64);                             \
-                w1 = _mm512_loadu_si512(codes + (g * steps + st + 1) * 64);                         \
+                w[0] = _mm512_loadu_si512(codes + (g * steps + st) * 64);                           \
+                w[1] = _mm512_loadu_si512(codes + (g * steps + st + 1) * 64);                       \
             }                                                                                       \
-            for (int r = 0; r < MB; r++) {                                                          \
-                const int8_t *qr = q + (m0 + r) * K + k;                                            \
-                if (MB > 4) { /* rows enough to keep the unit busy: one chain each, fewer registers */ \
-                    sum0[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum0[r], w0, bcast4(qr)), w1, bcast4(qr + 4)); \
-                } else {                                                                            \
-                    sum0[r] = _mm512_dpbusd_epi32(sum0[r], w0, bcast4(qr));                         \
-                    sum1[r] = _mm512_dpbusd_epi32(sum1[r], w1, bcast4(qr + 4));                     \
+            for (int p = 0; p < pass; p += 2)                                                       \
+                for (int r = 0; r < MB; r++) {                                                      \
+                    const int8_t *qr = q + (m0 + r) * K + k + 4 * p;                                \
+                    if (MB > 4) { /* rows enough to keep the unit busy: one chain each */           \
+                        sum0[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum0[r], w[p], bcast4(qr)), w[p + 1], \
+                                                      bcast4(qr + 4));                              \
+                    } else {                                                                        \
+                        sum0[r] = _mm512_dpbusd_epi32(sum0[r], w[p], bcast4(qr));                   \
+                        sum1[r] = _mm512_dpbusd_epi32(sum1[r], w[p + 1], bcast4(qr + 4));           \
+                    }                                                                               \
                 }                                                                                   \
-            }                                                                                       \
         }                                                                                           \
-        const __m512 sg = half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)s + g * OUT_BLOCK))) \
-                               : _mm512_loadu_ps((const float *)s + g * OUT_BLOCK);                 \
+        const __m512 sg = scales16(s, smode, g, K, G);                                              \
+        const __m512 og = o ? scales16(o, smode, g, K, G) : _mm512_setzero_ps();                    \
         for (int r = 0; r < MB; r++) {                                                              \
             const int64_t ag = (m0 + r) * groups + g;                                               \
             __m512i ig = MB > 4 ? sum0[r] : _mm512_add_epi32(sum0[r], sum1[r]); /* exact either way */ \
             if (base) ig = _mm512_add_epi32(ig, _mm512_set1_epi32(base * sums[ag])); /* sum c q */ \
             acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ig), sg), _mm512_set1_ps(a[ag]), acc[r]); \
-            if (o) acc[r] = _mm512_fnmadd_ps(_mm512_loadu_ps(o + g * OUT_BLOCK), _mm512_set1_ps(b[ag]), acc[r]); \
+            if (o) acc[r] = _mm512_fnmadd_ps(og, _mm512_set1_ps(b[ag]), acc[r]);                   \
         }                                                                                           \
     }                                                                                               \
     for (int r = 0; r < MB; r++) _mm512_storeu_ps(y + (m0 + r) * N + n0, acc[r]);                  \
 }
 
-TILE(1, tile, 0)
-TILE(2, tile, 0)
-TILE(3, tile, 0)
-TILE(4, tile, 0)
-TILE(5, tile, 0)
-TILE(6, tile, 0)
-TILE(7, tile, 0)
-TILE(8, tile, 0)
-TILE(1, ntile, 1)
-TILE(2, ntile, 1)
-TILE(3, ntile, 1)
-TILE(4, ntile, 1)
-TILE(5, ntile, 1)
-TILE(6, ntile, 1)
-TILE(7, ntile, 1)
-TILE(8, ntile, 1)
+#define TILES8(NAME, LAYOUT) TILE(1, NAME, LAYOUT) TILE(2, NAME, LAYOUT) TILE(3, NAME, LAYOUT) \
+    TILE(4, NAME, LAYOUT) TILE(5, NAME, LAYOUT) TILE(6, NAME, LAYOUT) TILE(7, NAME, LAYOUT) TILE(8, NAME, LAYOUT)
+TILES8(tile, Q8_BYTES)
+TILES8(ntile, Q8_NIBBLES)
+TILES8(xtile, Q8_SIXBITS)
 
 /* kind_1 .. kind_8 by the number of rows mb <= ROW_BLOCK (row counts fixed at compile time). */
 #define BY_ROWS8(mb, kind, ...)                  \
@@ -215,6 +265,7 @@ TILE(8, ntile, 1)
 #define ROWS_PER_PASS ROW_BLOCK
 #define ROW_TILES(mb, layout, chain, ...) /* one multiply-add a step: no widening to save */        \
     if (layout == Q8_NIBBLES) { BY_ROWS8(mb, ntile, __VA_ARGS__) }                                 \
+    else if (layout == Q8_SIXBITS) { BY_ROWS8(mb, xtile, __VA_ARGS__) }                            \
     else { BY_ROWS8(mb, tile, __VA_ARGS__) } /* vpdpbusd takes any unsigned byte: no Q8_SIGNED here */
 #else
 /* AVX2 (no VNNI): vpmaddubsw multiplies 32 unsigned codes by 32 int8 activations and adds
@@ -251,7 +302,13 @@ static inline __m256i bcast4(const int8_t *q) { return _mm256_set1_epi32(*(const
  * unmapped memory is dropped, never faults. */
 #define PREFETCH_NEXT(LAYOUT, codes, K, g, steps, st)                                                 \
     do {                                                                                            \
-        if (LAYOUT == Q8_NIBBLES) {                                                                 \
+        if (LAYOUT == Q8_SIXBITS) { /* a quad's 3 lines, fetched at its first step pair */          \
+            if (st % 4 == 0) {                                                                      \
+                const char *next = (const char *)(codes + 12 * K + (g * steps + st) / 4 * SIX_QUAD); \
+                _mm_prefetch(next, _MM_HINT_T0), _mm_prefetch(next + 64, _MM_HINT_T0);              \
+                _mm_prefetch(next + 128, _MM_HINT_T0);                                              \
+            }                                                                                       \
+        } else if (LAYOUT == Q8_NIBBLES) {                                                          \
             _mm_prefetch((const char *)(codes + 8 * K + (g * steps + st) * 32), _MM_HINT_T0);      \
         } else {                                                                                    \
             _mm_prefetch((const char *)(codes + 16 * K + (g * steps + st) * 64), _MM_HINT_T0);     \
@@ -259,8 +316,18 @@ static inline __m256i bcast4(const int8_t *q) { return _mm256_set1_epi32(*(const
         }                                                                                           \
     } while (0)
 
+/* Six-bit codes, 32 of a half's lanes: step j of a quad from its nibble and its 2 bits. */
+static inline __m256i six_step8(__m256i nib, __m256i two, int j)
+{
+    const __m256i low = _mm256_set1_epi8(15), top = _mm256_set1_epi8(0x30);
+    const __m256i n = (j & 1) ? _mm256_and_si256(_mm256_srli_epi16(nib, 4), low) : _mm256_and_si256(nib, low);
+    const __m256i t = j == 0 ? _mm256_slli_epi16(two, 4) : j == 1 ? _mm256_slli_epi16(two, 2)
+                    : j == 2 ? two : _mm256_srli_epi16(two, 2);
+    return _mm256_or_si256(n, _mm256_and_si256(t, top));
+}
+
 #define TILE(MB, NAME, LAYOUT, CHAIN)                                                                 \
-static void NAME##_##MB(const uint8_t *codes, int32_t base, const void *s, int half, const float *o, \
+static void NAME##_##MB(const uint8_t *codes, int32_t base, const void *s, int smode, const void *o, \
                         const int8_t *q, const float *a, const float *b, const int32_t *sums,       \
                         float *y, int64_t m0, int64_t K, int64_t G, int64_t N, int64_t n0) {        \
     const int64_t groups = K / G, steps = G / 4, run = CHAIN ? CHAIN : 1;                           \
@@ -277,7 +344,13 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const void *s, int h
                     __m256i w0, w1;                                                                 \
                     if (h >= (MB <= 2 ? 0 : 1)) /* see PREFETCH_NEXT */                             \
                         PREFETCH_NEXT(LAYOUT, codes, K, g, steps, st);                              \
-                    if (LAYOUT == Q8_NIBBLES) {                                                     \
+                    if (LAYOUT == Q8_SIXBITS) { /* step pair st / 2 % 2 of its quad */               \
+                        const uint8_t *at = codes + (g * steps + st) / 4 * SIX_QUAD + 32 * h;      \
+                        const int j = (int)(st % 4);                                                \
+                        const __m256i nib = _mm256_loadu_si256((const __m256i *)(at + 32 * j));     \
+                        const __m256i two = _mm256_loadu_si256((const __m256i *)(at + 128));        \
+                        w0 = six_step8(nib, two, j), w1 = six_step8(nib, two, j + 1);               \
+                    } else if (LAYOUT == Q8_NIBBLES) {                                              \
                         const __m256i *at = (const __m256i *)(codes + (g * steps + st) * 32 + 32 * h); \
                         const __m256i byte = _mm256_loadu_si256(at);                                \
                         w0 = _mm256_and_si256(byte, low);                                           \
@@ -306,13 +379,14 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const void *s, int h
                 if (CHAIN)                                                                          \
                     for (int r = 0; r < MB; r++) sum[r] = _mm256_add_epi32(sum[r], _mm256_madd_epi16(part[r], ones)); \
             }                                                                                       \
-            const __m256 sg = scales8(s, half, g * OUT_BLOCK + 8 * h);                              \
+            const __m256 sg = scales8(s, smode, g, h, K, G);                                        \
+            const __m256 og = o ? scales8(o, smode, g, h, K, G) : _mm256_setzero_ps();              \
             for (int r = 0; r < MB; r++) {                                                          \
                 const int64_t ag = (m0 + r) * groups + g;                                           \
                 __m256i ig = sum[r];                                                                \
                 if (base) ig = _mm256_add_epi32(ig, _mm256_set1_epi32(base * sums[ag])); /* sum c q */ \
                 acc[h][r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(ig), sg), _mm256_set1_ps(a[ag]), acc[h][r]); \
-                if (o) acc[h][r] = _mm256_fnmadd_ps(_mm256_loadu_ps(o + g * OUT_BLOCK + 8 * h), _mm256_set1_ps(b[ag]), acc[h][r]); \
+                if (o) acc[h][r] = _mm256_fnmadd_ps(og, _mm256_set1_ps(b[ag]), acc[h][r]);          \
             }                                                                                       \
         }                                                                                           \
     }                                                                                               \
@@ -330,12 +404,14 @@ TILES(tile4, Q8_BYTES, 4)
 TILES(ntile2, Q8_NIBBLES, 2)
 TILES(ntile4, Q8_NIBBLES, 4)
 TILES(stile, Q8_SIGNED, 0)
+TILES(xtile, Q8_SIXBITS, 1)
 
 #define ROWS_PER_PASS 4
 #define ROW_TILES(mb, layout, chain, ...)                                                             \
     if (layout == Q8_NIBBLES) {                                                                     \
         if (chain >= 4) { BY_ROWS(mb, ntile4, __VA_ARGS__) } else { BY_ROWS(mb, ntile2, __VA_ARGS__) } \
     } else if (layout == Q8_SIGNED) { BY_ROWS(mb, stile, __VA_ARGS__) }                            \
+    else if (layout == Q8_SIXBITS) { BY_ROWS(mb, xtile, __VA_ARGS__) } /* 6-bit pair sums: chain 1 */ \
     else if (chain >= 4) { BY_ROWS(mb, tile4, __VA_ARGS__) }                                       \
     else if (chain == 2) { BY_ROWS(mb, tile2, __VA_ARGS__) }                                       \
     else if (chain == 1) { BY_ROWS(mb, tile1, __VA_ARGS__) }                                       \
@@ -353,32 +429,33 @@ static int widen_chain(int32_t code_max, int64_t G)
 }
 
 /* q, a, b, sums: the rows as q8_act_quantize gives them; codes u = c - base: [N/16, K/4, 16, 4] uint8
- * (layout Q8_NIBBLES: [N/16, K/8, 16, 4], low nibble step 2j, high step 2j + 1; Q8_SIGNED, AVX2
- * builds only: the signed codes, base 0); code_max: the largest u (or |c|) in the matrix, which
- * bounds the AVX2 loop's 16-bit sums; s, o: [N/16, K/G, 16] float32 (o may be NULL: no offsets; s
- * fp16 bits under Q8_HALF_SCALES); y [M, N]. N a multiple of 16, K of G and 32. */
+ * (layout Q8_NIBBLES: [N/16, K/8, 16, 4], low nibble step 2j, high step 2j + 1; Q8_SIXBITS:
+ * [N/16, K/16, SIX_QUAD]; Q8_SIGNED, AVX2 builds only: the signed codes, base 0); code_max: the
+ * largest u (or |c|) in the matrix, which bounds the AVX2 loop's 16-bit sums; s, o: per block of 16
+ * outputs, [K/G, 16] float32, fp16 under Q8_HALF_SCALES, two-level under Q8_TWO_LEVEL (o may be
+ * NULL: no offsets; o takes s's form); y [M, N]. N a multiple of 16, K of G and 32 (of 256 for
+ * two-level scales, of 16 for six-bit codes). */
 void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t *sums, const uint8_t *codes,
-                 int layout, int32_t base, int32_t code_max, const void *s, const float *o, float *y, int64_t M,
+                 int layout, int32_t base, int32_t code_max, const void *s, const void *o, float *y, int64_t M,
                  int64_t N, int64_t K, int64_t G, int threads)
 {
     /* Each thread reads its blocks as one contiguous stream. The AVX-512 loop reads each line
      * once and the hardware prefetcher keeps up: fetching the next block ahead (or 4-16 lines
      * ahead) read the same or slower on a 2-core Zen 4 (20 matrices of 4096 x 640 codes, 22 GB/s
      * at one row). The AVX2 loop reads each line in two passes and fetches ahead (PREFETCH_NEXT). */
-    const int half = (layout & Q8_HALF_SCALES) != 0;
+    const int smode = (layout & Q8_TWO_LEVEL) ? SCALES_TWO_LEVEL : (layout & Q8_HALF_SCALES) ? SCALES_F16 : SCALES_F32;
     layout &= Q8_LAYOUT_MASK;
-    const int nibbles = layout == Q8_NIBBLES;
-    const int64_t blocks = N / OUT_BLOCK, block_bytes = nibbles ? K * OUT_BLOCK / 2 : K * OUT_BLOCK;
-    const int64_t block_scales = (K / G) * OUT_BLOCK;
+    const int64_t block_bytes = layout == Q8_NIBBLES ? K * OUT_BLOCK / 2
+                              : layout == Q8_SIXBITS ? K / 16 * SIX_QUAD : K * OUT_BLOCK;
+    const int64_t blocks = N / OUT_BLOCK, scale_bytes = block_scale_bytes(smode, K, G);
     const int chain = widen_chain(code_max, G); /* 0 for signed bytes (|c| up to 128): they never chain */
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t nb = 0; nb < blocks; nb++) {
         const uint8_t *c = codes + nb * block_bytes;
+        const char *sc = (const char *)s + nb * scale_bytes, *oc = o ? (const char *)o + nb * scale_bytes : 0;
         for (int64_t m0 = 0; m0 < M; m0 += ROWS_PER_PASS) {
             const int mb = (int)(M - m0 < ROWS_PER_PASS ? M - m0 : ROWS_PER_PASS);
-            const char *sc = (const char *)s + nb * block_scales * (half ? 2 : 4);
-            ROW_TILES(mb, layout, chain, c, base, sc, half, o ? o + nb * block_scales : 0, q, a, b, sums, y, m0, K, G,
-                      N, nb * OUT_BLOCK)
+            ROW_TILES(mb, layout, chain, c, base, sc, smode, oc, q, a, b, sums, y, m0, K, G, N, nb * OUT_BLOCK)
         }
     }
 }

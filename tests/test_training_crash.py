@@ -145,3 +145,16 @@ def test_kill_point_counts_and_ignores_other_names(monkeypatch):
     durable.kill_point("somewhere")
     durable.kill_point("somewhere")
     assert durable._passed["somewhere"] == 2  # the third would kill this process
+
+
+def test_a_run_without_held_out_prompts_says_so_instead_of_printing_empty_numbers(tiny, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(SRC)}
+    env.pop(durable.KILL_ENV, None)
+    cmd = [sys.executable, "-m", "specdraft", "train-drafter", "--model", str(tiny), "--dtype", "float32",
+           "--device", "cpu", "--threads", "1", "--out", str(tmp_path / "none"), "--prompts",
+           str(tiny.parent / "prompts.txt"), "--answer-tokens", "8", "--held-out", "0", "--num-prompts", "8",
+           "--steps", "2", "--batch-size", "4", "--anchors", "4", "--seed", "3"]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "no held-out evaluation (--held-out 0)" in run.stderr
+    assert "None" not in run.stderr.splitlines()[-1]

@@ -236,8 +236,12 @@ def train_drafter(rt, args, started: float) -> int:
     final = trainer.export(args.out, recipe) or final
     if is_first_rank():
         size = trainer.net.nbytes() / 2  # exported in bf16
-        print(f"drafter written to {args.out}: {size / 1e6:.1f} MB ({100 * size / rt.nbytes():.1f}% of the target); "
-              f"held-out at K={args.draft_tokens} (step {final.get('step')}, the best decoding tau): "
+        written = f"drafter written to {args.out}: {size / 1e6:.1f} MB ({100 * size / rt.nbytes():.1f}% of the target); "
+        if final.get("tau") is None:  # --held-out 0: nothing was evaluated, so no number is printed
+            print(written + "no held-out evaluation (--held-out 0); `specdraft eval-drafter` measures it",
+                  file=sys.stderr)
+            return 0
+        print(written + f"held-out at K={args.draft_tokens} (step {final.get('step')}, the best decoding tau): "
               f"teacher-forced tau {final.get('tau')} (every anchor), "
               f"decoding tau {final.get('decoding_tau')} (greedy decoding replayed), acceptance by position "
               f"{final.get('acceptance_by_position')}; `specdraft eval-drafter` measures the engine itself", file=sys.stderr)

@@ -35,11 +35,13 @@ BASE_WORKING_SET = 384 << 20  # torch, the tokenizer, the allocator's slack
 DRAFT_ROWS = 9  # the widest verification a row runs (8 drafts + 1)
 SMALLER = {"dtype": "q8", "fp16": "q8", "int8": "q4", "q8": "q4"}  # the next format down
 # Bytes a weight of each GGUF type takes once the direct loader has made it a kernel linear:
-# codes (4-bit ones two a byte, wider ones a byte), scales (fp16 where the file's are), offsets.
-GGUF_LOADED_BYTES = {"Q8_0": 1 + 2 / 32, "Q4_0": 0.5 + 2 / 32, "Q4_1": 0.5 + 8 / 32, "Q5_0": 1 + 2 / 32,
-                     "Q5_1": 1 + 8 / 32, "Q4_K": 0.5 + 8 / 32, "Q6_K": 1 + 4 / 16,
+# codes (4-bit ones two a byte, 5-6-bit ones in a nibble and a 2-bit plane, wider ones a byte),
+# scales (fp16 where the file's are; K-quants' as the file keeps them), offsets.
+GGUF_LOADED_BYTES = {"Q8_0": 1 + 2 / 32, "Q4_0": 0.5 + 2 / 32, "Q4_1": 0.5 + 8 / 32, "Q5_0": 0.75 + 2 / 32,
+                     "Q5_1": 0.75 + 8 / 32, "Q4_K": 0.5 + 2 / 32 + 4 / 256, "Q6_K": 0.75 + 1 / 16 + 2 / 256,
                      "F32": 1 + 4 / 32, "F16": 1 + 4 / 32, "BF16": 1 + 4 / 32}  # floats: compacted as q8
 DECODE_TRANSIENT = 4  # bytes a weight of the matrix being decoded: int16 codes, then the kernel's layout
+LAID_OUT_IN_C = ("Q8_0", "Q4_K", "Q6_K")  # written from the file's bytes into place: no transient
 SMALLER_GGUF = "Q4_0"  # the smaller file a refusal prices
 
 
@@ -190,7 +192,8 @@ def estimate_gguf(model: nn.Module, desc: GGUFDescription, context: int, batch_s
             if "output.weight" in desc.tensors:
                 continue
         weights += numel * per_weight
-        largest = max(largest, numel)
+        if (as_type or kind) not in LAID_OUT_IN_C:
+            largest = max(largest, numel)
     head = desc.config["vocab_size"]
     logits = batch_size * DRAFT_ROWS * head * 4 * 3
     kv = kv_bytes(model, torch.float32, context, batch_size)

@@ -76,7 +76,8 @@ def rounds(args, prompts: list[tuple[str, str]], cache_mb: int) -> list[dict]:
         for a, b in prompts:
             first = post(url, {"prompt": a, "max_tokens": args.max_tokens, "temperature": 0})
             second = post(url, {"prompt": b, "max_tokens": args.max_tokens, "temperature": 0})
-            out.append({"first_ttft": first["specdraft"]["ttft"], "ttft": second["specdraft"]["ttft"],
+            out.append({"first_ttft": first["specdraft"]["ttft"], "first_tokens": first["usage"]["prompt_tokens"],
+                        "ttft": second["specdraft"]["ttft"],
                         "cached": second["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0),
                         "prompt_tokens": second["usage"]["prompt_tokens"],
                         "texts": [first["choices"][0]["text"], second["choices"][0]["text"]]})
@@ -108,12 +109,18 @@ def main() -> int:
     cached = rounds(args, prompts, 512)
     same = all(p["texts"] == c["texts"] for p, c in zip(plain, cached))
     for i, (p, c) in enumerate(zip(plain, cached)):
+        differ = [j for j in (0, 1) if p["texts"][j] != c["texts"][j]]
         print(f"round {i}: second request {c['prompt_tokens']} tokens, {c['cached']} restored; TTFT "
-              f"{p['ttft'] * 1000:.0f} ms without the cache, {c['ttft'] * 1000:.0f} ms with it")
+              f"{p['ttft'] * 1000:.0f} ms without the cache, {c['ttft'] * 1000:.0f} ms with it"
+              + (f"; answers differ: request {', '.join(str(j + 1) for j in differ)}" if differ else ""))
     a = statistics.median(p["ttft"] for p in plain)
     b = statistics.median(c["ttft"] for c in cached)
     print(f"median TTFT of the second request: {a * 1000:.0f} ms without, {b * 1000:.0f} ms with the prefix cache "
           f"({a / b:.1f}x); same answers: {same}")
+    # The first requests share nothing with an earlier one: their prefill speed, with and without the cache
+    speed = [statistics.median(r["first_tokens"] / r["first_ttft"] for r in rs) for rs in (plain, cached)]
+    print(f"prompt speed of the first requests (median): {speed[0]:.0f} tok/s without, {speed[1]:.0f} tok/s with "
+          "the cache")
     return 0 if same else 1
 
 

@@ -3,8 +3,10 @@ request's tokens restores their K/V and prefills only the rest, with the same ou
 engine without the cache (greedy, and sampled with a per-request seed), Gemma 4's rings and the
 MTP drafter included; a prefix further back than a ring keeps is passed over, never restored
 wrong; the store stays within its bytes, least recently used evicted first. Exact reuse (the
-server's) restores only whole prefill chunks of earlier prompts; the chat's (exact=False) reuses
-every position, replies included.
+server's) restores only whole prefill chunks of earlier prompts where a chunk's width changes the
+arithmetic, and any prefix, replies included, where each position is computed alone (int8-activation
+weights: the bits of every position checked against other chunkings); the chat's (exact=False)
+reuses every position, replies included.
 """
 
 from __future__ import annotations
@@ -193,3 +195,85 @@ def test_exact_reuse_restores_whole_chunks_of_earlier_prompts_only(gemma_tiny, m
     assert [r.token_ids for r in cached] == [r.token_ids for r in plain]
     for before, r in zip(cached, cached[1:]):
         assert r.stats.cached_tokens == len(before.prompt_ids) - len(before.prompt_ids) % 16 > 0
+
+
+# --------------------------------------------------------------------------- any prefix, exactly
+
+@pytest.fixture(scope="module")
+def q8_gemma(gemma_tiny: TinyModel) -> TinyModel:
+    """gemma_tiny with every matrix in 8-bit blocks against int8 activations (--weights q8): the
+    kernels the default model runs, each position computed alone at any chunk width."""
+    from conftest import load_ours
+    from specdraft.models.formats import q8_act_linear
+    from specdraft.models.formats.quant import compact_weights
+
+    if not q8_act_linear.kernel_available():
+        pytest.skip("the int8-activation kernel does not build here")
+    model, cfg = load_ours(gemma_tiny.folder)
+    compact_weights(model, "q8")
+    return TinyModel("gemma3", gemma_tiny.folder, gemma_tiny.hf, model, cfg)
+
+
+def _prefill(model, ids: list[int], bounds: list[int]):
+    """Prefill `ids` in the chunks `bounds` marks: the hidden states and every layer's K and V."""
+    cache = model.new_cache(1, len(ids) + 16)
+    t = torch.tensor([ids])
+    with torch.inference_mode():
+        hidden = torch.cat([model(t[:, a:b], cache) for a, b in zip(bounds, bounds[1:])], dim=1)
+    n = len(ids)
+    return [hidden] + [x[:, :, :n] for x in cache.k] + [x[:, :, :n] for x in cache.v]
+
+
+def _same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_each_position_gets_the_same_bits_in_any_chunks_and_the_negative_control(q8_gemma, gemma_tiny, monkeypatch):
+    """300 tokens past a sliding window of 8: chunks of 64 from 0, chunks starting anywhere,
+    one-token steps at the end, and chunks at or under the step kernels' width give every
+    position's K/V and hidden state the same bits. Key spans of wide chunks that start where the
+    window does (not on a multiple of the attention kernel's key chunk, as short forwards' do)
+    break it: the check sees it."""
+    from specdraft import kv_cache
+
+    model = q8_gemma.ours
+    (ids,) = prompts_of([300], q8_gemma.cfg.vocab_size, seed=21)
+    assert model.prefill_rows_alone(model.new_cache(1, 8))
+    assert not gemma_tiny.ours.prefill_rows_alone(gemma_tiny.ours.new_cache(1, 8))  # float32 GEMMs: no
+    chunkings = ([0, 100, 164, 228, 292, 300], [0, 37, 53, 250, 297, 298, 299, 300], list(range(0, 300, 16)) + [300])
+    reference = _prefill(model, ids, [0, 64, 128, 192, 256, 300])
+    for bounds in chunkings:
+        assert _same_bits(_prefill(model, ids, bounds), reference), bounds
+    monkeypatch.setattr(kv_cache, "SPAN_BLOCK", 1)
+    reference = _prefill(model, ids, [0, 64, 128, 192, 256, 300])
+    assert not all(_same_bits(_prefill(model, ids, bounds), reference) for bounds in chunkings)
+
+
+def _q8_engine(tiny: TinyModel, drafter: str, mtp_folder, cache: PrefixCache | None) -> Engine:
+    d = load_mtp_drafter(mtp_folder, tiny.ours, torch.float32, "cpu") if drafter == "mtp" else None
+    return Engine(tiny.ours, drafter=d, draft_tokens=3, max_batch_size=2, capacity=400, prefill_chunk=64,
+                  prefix_cache=cache)
+
+
+def test_exact_reuse_restores_a_prefix_ending_mid_chunk_where_positions_are_computed_alone(q8_gemma, mtp_folder):
+    """Exact reuse on a model whose prefill computes each position alone: a shared prefix of 150
+    tokens (mid-chunk: chunks of 64) is restored whole, and the answer is the uncached engine's."""
+    shared, a, b = prompts_of([150, 20, 15], q8_gemma.cfg.vocab_size, seed=22)
+    expected = run(_q8_engine(q8_gemma, "none", mtp_folder, None), shared + b, 20).token_ids
+    engine = _q8_engine(q8_gemma, "none", mtp_folder, PrefixCache(BIG))
+    run(engine, shared + a, 10)
+    r = run(engine, shared + b, 20)
+    assert r.stats.cached_tokens == 150 and r.token_ids == expected
+
+
+@pytest.mark.parametrize("drafter", ["none", "mtp"])
+def test_exact_reuse_restores_a_whole_conversation_where_positions_are_computed_alone(q8_gemma, mtp_folder,
+                                                                                       drafter):
+    """A next turn restores the previous prompt and reply (decoded positions hold a prefill's
+    bits too), and every turn's tokens equal an uncached engine's, speculative or plain."""
+    first, *turns = prompts_of([170, 7, 12], q8_gemma.cfg.vocab_size, seed=23)
+    plain = conversation(_q8_engine(q8_gemma, "none", mtp_folder, None), first, turns, 20)
+    cached = conversation(_q8_engine(q8_gemma, drafter, mtp_folder, PrefixCache(BIG)), first, turns, 20)
+    assert [r.token_ids for r in cached] == [r.token_ids for r in plain]
+    for before, r in zip(cached, cached[1:]):
+        assert r.stats.cached_tokens == len(before.prompt_ids) + len(before.token_ids) - 1

@@ -126,9 +126,14 @@ def attention_span(positions: torch.Tensor, lowest: int, end: int, window: int |
     """Span for queries at `positions` [B, T] (all in [lowest, end)) over cached keys.
 
     A query at q sees keys j <= q, and with a sliding window only q - window < j. The span
-    starts at the first key any query can see, so sliding layers read at most window + T keys.
+    starts at the first key any query can see, rounded down to a multiple of SPAN_BLOCK, so
+    sliding layers read at most window + T + SPAN_BLOCK - 1 keys. The rounding keeps a query's
+    arithmetic independent of the forward it is in: the attention kernel sums over keys in
+    fixed chunks counted from the span's start (attention.c), and a short forward's span starts
+    at 0; a span starting anywhere else would block a query's sums by its chunk's lowest position,
+    and a prompt prefilled in other chunks (after a restored prefix) would round differently.
     """
-    lo = 0 if window is None else max(0, lowest - window + 1)
+    lo = 0 if window is None else max(0, lowest - window + 1) // SPAN_BLOCK * SPAN_BLOCK
     keys = torch.arange(lo, end, device=positions.device)
     q = positions[:, :, None]
     mask = keys[None, None, :] <= q

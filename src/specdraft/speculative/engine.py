@@ -252,7 +252,7 @@ class Engine:
                 self.drafter.reset_row(slot)
             self.tokens[slot, : len(row.req.prompt)] = torch.tensor(row.req.prompt)
             if self.prefix_cache is not None:
-                snapshot, n = self.prefix_cache.match(row.req.prompt, self.cache, self.prefill_chunk)
+                snapshot, n = self.prefix_cache.match(row.req.prompt, self.cache, self._restore_step())
                 if n:
                     self.cache.restore_row(slot, snapshot, n)
                     row.prefilled = row.stats.cached_tokens = n
@@ -300,7 +300,12 @@ class Engine:
         n = self.cache.host_lengths[slot]
         prompt = self.slots[slot].req.prompt
         self.prefix_cache.save(self.tokens[slot, :n].tolist(), self.cache.snapshot_row(slot), len(prompt),
-                               self.prefill_chunk)
+                               self._restore_step())
+
+    def _restore_step(self) -> int:
+        """What a restored prefix's length is a multiple of: 1 where the target computes each
+        position alone whatever chunk it is in, else the prefill chunk (prefix_cache.py)."""
+        return 1 if self.model.prefill_rows_alone(self.cache) else self.prefill_chunk
 
     # --- prefill ------------------------------------------------------------------------------
     def _prefill(self) -> None:

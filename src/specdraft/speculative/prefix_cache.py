@@ -12,14 +12,17 @@ is the engine's apart from any request's KV row. A ring slot (Gemma 4's sliding 
 its last window + max_forward positions, so a snapshot restores a prefix only that far behind its
 end (KVCache.can_restore); a longer one is passed over, never restored wrong.
 
-Exact reuse (`exact=True`, the server's default): a request prefills in chunks that start at
-multiples of the prefill chunk from position 0, and a chunk's arithmetic depends on its width (a
-wide chunk takes a GEMM, maybe in bf16; its last, shorter chunk another blocking). So only whole
-chunks that the earlier request prefilled as whole chunks are restored, and the new request goes
-on from a chunk boundary: every position then holds the bits an uncached prefill would compute,
-and the output equals the uncached output. Positions decoded after a prompt are never reused
-this way. `exact=False` (the chat) reuses every position: a conversation continues from the K/V
-its replies were generated with, which a fresh prefill of the same text may round differently.
+Exact reuse (`exact=True`, the server's default): every restored position must hold the bits an
+uncached prefill computes, so the output equals the uncached output. Where the target computes
+each position alone whatever forward it is in (TargetModel.prefill_rows_alone: the default
+model's int8-activation kernels over a float32 cache), that holds for any prefix, replies
+included, and `step` is 1. Elsewhere a chunk's arithmetic depends on its width (a wide chunk
+takes a GEMM, maybe in bf16; its last, shorter chunk another blocking) and `step` is the prefill
+chunk: a request prefills in chunks that start at multiples of it from position 0, so only
+whole chunks that the earlier request prefilled as whole chunks are restored, the new request
+goes on from a chunk boundary, and positions decoded after a prompt are never reused.
+`exact=False` (the chat) reuses every position: a conversation continues from the K/V its
+replies were generated with, which a fresh prefill of the same text may round differently.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from specdraft.kv_cache import KVCache, RowSnapshot
 class _Entry:
     tokens: list[int]  # the ids of positions 0..len-1
     snapshot: RowSnapshot
-    reusable: int  # leading positions a match may restore (exact reuse: whole prefill chunks)
+    reusable: int  # leading positions a match may restore (exact reuse: see `step`)
 
 
 class PrefixCache:
@@ -52,15 +55,15 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def match(self, prompt: list[int], cache: KVCache, chunk: int) -> tuple[RowSnapshot | None, int]:
+    def match(self, prompt: list[int], cache: KVCache, step: int) -> tuple[RowSnapshot | None, int]:
         """The saved row and the number of leading positions of `prompt` it restores into `cache`
-        (0: none). At most len(prompt) - 1: the last prompt token is always prefilled. `chunk`:
-        the engine's prefill chunk (exact reuse restores whole chunks)."""
+        (0: none). At most len(prompt) - 1: the last prompt token is always prefilled. `step`:
+        exact reuse restores a multiple of it (module docstring)."""
         best, best_n, best_key = None, 0, None
         for key, e in self._entries.items():
             n = min(len(os.path.commonprefix([e.tokens, prompt])), len(prompt) - 1, e.reusable)
             if self.exact:
-                n -= n % chunk  # the rest is prefilled from a chunk boundary, as without the cache
+                n -= n % step  # the rest is prefilled from a chunk boundary, as without the cache
             if n > best_n and cache.can_restore(e.snapshot, n):
                 best, best_n, best_key = e.snapshot, n, key
         if best_key is not None:
@@ -69,14 +72,14 @@ class PrefixCache:
             self.reused_tokens += best_n
         return best, best_n
 
-    def save(self, tokens: list[int], snapshot: RowSnapshot, prompt_length: int, chunk: int) -> None:
+    def save(self, tokens: list[int], snapshot: RowSnapshot, prompt_length: int, step: int) -> None:
         """Keep `snapshot` (positions 0..len(tokens)-1 of `tokens`, the first `prompt_length` of
-        them prefilled in chunks of `chunk`); older entries whose tokens it extends are dropped
-        when it restores everything they could."""
+        them prefilled in chunks of `step` when it is over 1); older entries whose tokens it
+        extends are dropped when it restores everything they could."""
         size = snapshot.nbytes()
         reusable = min(snapshot.length, len(tokens))
-        if self.exact:
-            reusable = min(reusable, prompt_length - prompt_length % chunk)
+        if self.exact and step > 1:  # whole chunks of the prompt only (module docstring)
+            reusable = min(reusable, prompt_length - prompt_length % step)
         if size > self.max_bytes or not tokens or reusable <= 0:
             return
         for key, e in list(self._entries.items()):

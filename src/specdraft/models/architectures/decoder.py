@@ -17,12 +17,14 @@ from torch import nn
 from specdraft.config import SLIDING, ModelConfig
 from specdraft.kv_cache import SHORT_FORWARD, AttentionSpan, KVCache
 from specdraft.models.kernels.build import applies as kernels_apply
+from specdraft.models.kernels.build import enabled as kernels_enabled
 from specdraft.models.kernels.decoder_layer import (LayerStep, LayerWeights, Snapshot, decoder_layer, decoder_stack,
                                                     fusable, layer_step, linear_weights, parts_key, pointer,
                                                     reads_cache)
 from specdraft.models.kernels.gated_act import KINDS as NATIVE_ACTIVATIONS
 from specdraft.models.kernels.qk_rope import MAX_HEAD_DIM, qk_rope_write
 from specdraft.models.kernels.rms_norm import residual_norms
+from specdraft.models.formats.q8_act_linear import Q8ActLinear
 from specdraft.models.architectures.layers import GatedMLP, RMSNorm, attend, stack_linears
 from specdraft.models.architectures.rope import RopeTable, apply_rope
 from specdraft.models.architectures.target import AttentionLayout, CachedDecoder
@@ -255,6 +257,24 @@ class Transformer(CachedDecoder):
         for layer in self.layers:
             layer.self_attn.fuse_projections()
             layer.mlp.fuse_projections()
+
+    def prefill_rows_alone(self, cache: KVCache) -> bool:
+        """True where every piece of a forward computes each position alone, in the same order
+        whatever the forward's width or first position: int8-activation linears (their kernel
+        sums each (output, row) pair in one fixed order at every width, q8_act_linear.py), the
+        norm and activation kernels (one row at a time), and the attention kernel over a float32
+        cache (fixed key chunks from position 0, kv_cache.attention_span). Other formats take a
+        GEMM or another dtype for wide chunks, and a float16 cache takes the prompt kernel's
+        online softmax: there a chunk's width changes the bits. A compiled step is its own
+        arithmetic."""
+        if (self.dtype != torch.float32 or self.embed_tokens.weight.device.type != "cpu" or not kernels_enabled()
+                or self.compiled_step is not None or self.config.hidden_act not in NATIVE_ACTIVATIONS):
+            return False
+        if not all(k.dtype == torch.float32 and v.dtype == torch.float32 for k, v in zip(cache.k, cache.v)):
+            return False
+        norms = [m for m in self.modules() if isinstance(m, RMSNorm)]
+        linears = [m for m in self.layers.modules() if hasattr(m, "in_features")]
+        return all(n.native_ready() for n in norms) and all(isinstance(m, Q8ActLinear) for m in linears)
 
     def run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, kv, spans: dict[str, AttentionSpan]) -> torch.Tensor:
         x = self.embed(tokens)

@@ -84,6 +84,11 @@ class TargetModel(Protocol):
 
     def attention_layout(self, layer: int) -> AttentionLayout: ...
 
+    def prefill_rows_alone(self, cache: KVCache) -> bool:
+        """Whether each position's K/V and hidden state come out with the same bits whatever
+        forward computes it (a prompt's chunk of any width and start, a decode step): then a
+        prefix cache may restore a prompt's prefix up to any position."""
+
 
 class CachedDecoder(nn.Module):
     """What both model families share: the cached forward and the LM head.
@@ -110,6 +115,10 @@ class CachedDecoder(nn.Module):
             hidden = self.run_layers(tokens, positions, cache, {t: cache.span(w) for t, w in self.windows.items()})
         cache.end()
         return hidden
+
+    def prefill_rows_alone(self, cache: KVCache) -> bool:
+        """See TargetModel.prefill_rows_alone; False unless a model shows otherwise."""
+        return False
 
     def run_layers(self, tokens: torch.Tensor, positions: torch.Tensor, kv, spans: dict[str, AttentionSpan]) -> torch.Tensor:
         """The forward proper once positions and key spans are known; `kv` stores the new K/V

@@ -100,6 +100,30 @@ def test_serve_takes_the_draft_policy_and_passes_it_on(monkeypatch) -> None:
         assert seen["draft_policy"] == policy
 
 
+def test_serve_counts_its_prefix_cache_in_the_memory_check(capsys, model_dir, monkeypatch) -> None:
+    """Memory for the model and its KV rows but not for --prefix-cache-mb 300: refused before
+    loading, in one line that names the prefix cache that fits; that one loads."""
+    pytest.importorskip("uvicorn")
+    import torch
+
+    import specdraft.serve
+    import specdraft.serve.server
+    from specdraft.loading import describe_folder
+    from specdraft.loading.footprint import estimate
+
+    _, shape = describe_folder(model_dir)
+    need = estimate(shape, "dtype", torch.float32, 64, batch_size=8).total  # the tiny Llama's context: 64
+    monkeypatch.setenv("SPECDRAFT_MEMORY_LIMIT", str(need + (100 << 20)))
+    monkeypatch.setattr(specdraft.serve, "create_app", lambda *a, **k: None)
+    monkeypatch.setattr(specdraft.serve.server, "serve", lambda *a, **k: 0)
+    argv = ["serve", "--model", str(model_dir), "--dtype", "float32", "--weights", "dtype", "--device", "cpu",
+            "--drafter", "none"]
+    code, _, err = run(capsys, *argv, "--prefix-cache-mb", "300")
+    assert_one_line_error(code, err, "prefix cache 0.29 GB", "--prefix-cache-mb 100 fits")
+    code, _, err = run(capsys, *argv, "--prefix-cache-mb", "100")
+    assert code == 0, err
+
+
 def test_unknown_model(capsys) -> None:
     code, _, err = run(capsys, "generate", "hi", "--model", "no-such-model")
     assert_one_line_error(code, err, "unknown model 'no-such-model'")

@@ -79,13 +79,14 @@ class Runtime:
     @classmethod
     def load(cls, name_or_path: str, dtype: str = "auto", device: str = "auto", progress: bool = True,
              weights: str = "auto", compile: bool = False, prefill_dtype: str = "auto", context: int | None = None,
-             batch_size: int = 1) -> "Runtime":
+             batch_size: int = 1, prefix_cache_bytes: int = 0) -> "Runtime":
         """Load a target. weights: auto | dtype | int8 | int4 | fp16 | gguf | gguf-q8 | q8 | q4
         (models.formats.choice.resolve_weights); compile: route decode/verify forwards through a
         torch.compile'd step (models/compile.py); prefill_dtype: auto | float32 | bfloat16,
         prompts' arithmetic with gguf weights (models.formats.choice.resolve_prefill_dtype).
         `context` x `batch_size` positions of KV cache are counted in the memory check that runs
-        before any weight is read (loading/footprint.py; default context DEFAULT_CONTEXT)."""
+        before any weight is read (loading/footprint.py; default context DEFAULT_CONTEXT), with the
+        `prefix_cache_bytes` a server's prefix cache may keep."""
         dev = resolve_device(device)
         check_choices(dtype, weights, prefill_dtype)
         if weights != "auto":  # a format that cannot run here fails before any work
@@ -93,7 +94,7 @@ class Runtime:
             resolve_prefill_dtype(prefill_dtype, weights, False)
         desc = _direct_gguf(name_or_path, weights, dtype, dev, prefill_dtype)
         if desc is not None:
-            return cls._load_gguf(name_or_path, desc, dev, progress, compile, context, batch_size)
+            return cls._load_gguf(name_or_path, desc, dev, progress, compile, context, batch_size, prefix_cache_bytes)
 
         def plan(folder: Path) -> tuple:
             """Dtype, format and the memory check, from config.json alone (for a Hub id: before its download)."""
@@ -107,7 +108,8 @@ class Runtime:
                                   int8_rows=int8_rows, large=large)
             prompts = resolve_prefill_dtype(prefill_dtype, fmt, dtype_chosen=dtype == "auto")
             ctx = min(context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
-            return dt, fmt, prompts, ctx, check_fits(shape, name_or_path, fmt, dt, ctx, batch_size)
+            return dt, fmt, prompts, ctx, check_fits(shape, name_or_path, fmt, dt, ctx, batch_size,
+                                                     prefix_cache=prefix_cache_bytes)
 
         folder = resolve_model(name_or_path, progress, before_download=plan)
         dt, fmt, prompts, context, footprint = plan(folder)
@@ -129,7 +131,7 @@ class Runtime:
 
     @classmethod
     def _load_gguf(cls, name: str, desc, dev: torch.device, progress: bool, compile: bool, context: int | None,
-                   batch_size: int) -> "Runtime":
+                   batch_size: int, prefix_cache_bytes: int = 0) -> "Runtime":
         """A Gemma 4 GGUF from its own blocks (loading/gguf_direct.py): the memory check from the
         header first, then the weights straight from the file's map into the int8 kernel's
         linears (gguf-q8 arithmetic); no float model, no converted folder."""
@@ -138,7 +140,7 @@ class Runtime:
 
         cfg, shape = describe_model(desc)
         context = min(context or DEFAULT_CONTEXT, cfg.max_position_embeddings)
-        footprint = check_gguf_fits(shape, desc, name, context, batch_size)
+        footprint = check_gguf_fits(shape, desc, name, context, batch_size, prefix_cache=prefix_cache_bytes)
         model, cfg, notes = load_gguf(desc, progress)
         folder = tokenizer_folder(desc)
         if compile:

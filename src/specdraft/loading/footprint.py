@@ -7,6 +7,7 @@ The estimate counts, from the model built on the meta device (shapes only):
   per-layer embeddings) as the format keeps them: views of the checkpoint under q8 / q4 (only
   the token table counted, since the drafter's head reads its rows all over), else in memory;
 - the KV cache for the context asked for;
+- the server's prefix cache at its bound (--prefix-cache-mb): finished requests' K/V it may keep;
 - a working set: a forward's activations and logits, and the allocator's slack.
 
 A GGUF file loaded from its own blocks (loading/gguf_direct.py) is counted from its header: each
@@ -50,14 +51,16 @@ class Footprint:
     weights: int
     kv: int
     working: int
+    prefix_cache: int = 0  # the server's bound on saved K/V (speculative/prefix_cache.py)
 
     @property
     def total(self) -> int:
-        return self.weights + self.kv + self.working
+        return self.weights + self.kv + self.working + self.prefix_cache
 
     def describe(self, fmt: str, context: int) -> str:
+        saved = f", prefix cache {self.prefix_cache / GB:.2f} GB" if self.prefix_cache else ""
         return (f"~{self.total / GB:.1f} GB (weights {self.weights / GB:.1f} GB as {fmt}, KV cache "
-                f"{self.kv / GB:.2f} GB for {context} tokens, working set {self.working / GB:.1f} GB)")
+                f"{self.kv / GB:.2f} GB for {context} tokens{saved}, working set {self.working / GB:.1f} GB)")
 
 
 def _matrices(model: nn.Module) -> list[torch.Tensor]:
@@ -71,9 +74,11 @@ def _matrices(model: nn.Module) -> list[torch.Tensor]:
     return out
 
 
-def estimate(model: nn.Module, fmt: str, dtype: torch.dtype, context: int, batch_size: int = 1) -> Footprint:
+def estimate(model: nn.Module, fmt: str, dtype: torch.dtype, context: int, batch_size: int = 1,
+             prefix_cache: int = 0) -> Footprint:
     """The footprint of `model` (built on the meta device) in weight format `fmt`, computing in
-    `dtype`, with a KV cache of `batch_size` rows of `context` positions."""
+    `dtype`, with a KV cache of `batch_size` rows of `context` positions and a prefix cache of at
+    most `prefix_cache` bytes."""
     size = torch.finfo(dtype).bits // 8
     per_weight = BYTES_PER_WEIGHT.get(fmt, size)
     matrices = _matrices(model)
@@ -94,7 +99,7 @@ def estimate(model: nn.Module, fmt: str, dtype: torch.dtype, context: int, batch
             weights += p.numel() * size
     kv = kv_bytes(model, dtype, context, batch_size)
     logits = batch_size * DRAFT_ROWS * head.shape[0] * 4 * 3  # scores, probabilities, a sort's scratch
-    return Footprint(int(weights), kv, BASE_WORKING_SET + logits)
+    return Footprint(int(weights), kv, BASE_WORKING_SET + logits, prefix_cache)
 
 
 def kv_bytes(model: nn.Module, dtype: torch.dtype, context: int, batch_size: int = 1) -> int:
@@ -154,9 +159,16 @@ def _cgroup_free() -> int | None:
 
 
 def _fitting_context(model: nn.Module, fmt: str, dtype: torch.dtype, context: int, batch_size: int,
-                     free: int) -> int | None:
+                     free: int, prefix_cache: int = 0) -> int | None:
     """The longest context, halving from `context` down to 512 tokens, whose footprint fits in `free`."""
-    return _longest_fitting(lambda c: estimate(model, fmt, dtype, c, batch_size), context, free)
+    return _longest_fitting(lambda c: estimate(model, fmt, dtype, c, batch_size, prefix_cache), context, free)
+
+
+def _smaller_prefix_cache(need: Footprint, free: int) -> str | None:
+    """'--prefix-cache-mb N fits' where the rest fits with a smaller prefix cache (N may be 0: off)."""
+    if not need.prefix_cache or need.total - need.prefix_cache > free:
+        return None
+    return f"--prefix-cache-mb {(free - (need.total - need.prefix_cache)) >> 20} fits"
 
 
 def _longest_fitting(footprint, context: int, free: int) -> int | None:
@@ -168,7 +180,7 @@ def _longest_fitting(footprint, context: int, free: int) -> int | None:
 
 
 def estimate_gguf(model: nn.Module, desc: GGUFDescription, context: int, batch_size: int = 1,
-                  as_type: str | None = None) -> Footprint:
+                  as_type: str | None = None, prefix_cache: int = 0) -> Footprint:
     """The footprint of a GGUF file loaded from its own blocks (see the module docstring), `model`
     built on the meta device from its header; `as_type`: price every block matrix as that type
     instead (what a smaller file of the same model would take)."""
@@ -197,27 +209,28 @@ def estimate_gguf(model: nn.Module, desc: GGUFDescription, context: int, batch_s
     head = desc.config["vocab_size"]
     logits = batch_size * DRAFT_ROWS * head * 4 * 3
     kv = kv_bytes(model, torch.float32, context, batch_size)
-    return Footprint(int(weights), kv, BASE_WORKING_SET + logits + largest * DECODE_TRANSIENT)
+    return Footprint(int(weights), kv, BASE_WORKING_SET + logits + largest * DECODE_TRANSIENT, prefix_cache)
 
 
 def check_gguf_fits(model: nn.Module, desc: GGUFDescription, name: str, context: int, batch_size: int = 1,
-                    available: int | None = None) -> Footprint:
+                    available: int | None = None, prefix_cache: int = 0) -> Footprint:
     """check_fits for a GGUF loaded from its own blocks, from its header alone: the footprint, or a
-    one-line refusal naming a shorter context or a smaller file that would fit."""
-    need = estimate_gguf(model, desc, context, batch_size)
+    one-line refusal naming a smaller prefix cache, a shorter context or a smaller file that would fit."""
+    need = estimate_gguf(model, desc, context, batch_size, prefix_cache=prefix_cache)
     free = available_memory() if available is None else available
     if need.total <= free:
         return need
-    options = []
-    shorter = _longest_fitting(lambda c: estimate_gguf(model, desc, c, batch_size), context // 2, free)
+    options = [o for o in [_smaller_prefix_cache(need, free)] if o]
+    shorter = _longest_fitting(lambda c: estimate_gguf(model, desc, c, batch_size, prefix_cache=prefix_cache),
+                               context // 2, free)
     if shorter is not None:
         options.append(f"--max-context {shorter} fits")
-    small = estimate_gguf(model, desc, context, batch_size, as_type=SMALLER_GGUF)
+    small = estimate_gguf(model, desc, context, batch_size, as_type=SMALLER_GGUF, prefix_cache=prefix_cache)
     if small.total < need.total:
         if small.total <= free:
             options.append(f"a {SMALLER_GGUF} file of this model fits (~{small.total / GB:.1f} GB)")
-        elif (fits := _longest_fitting(lambda c: estimate_gguf(model, desc, c, batch_size, SMALLER_GGUF),
-                                       context // 2, free)) is not None:
+        elif (fits := _longest_fitting(lambda c: estimate_gguf(model, desc, c, batch_size, SMALLER_GGUF,
+                                                               prefix_cache), context // 2, free)) is not None:
             options.append(f"a {SMALLER_GGUF} file of this model with --max-context {fits} fits")
     hint = "; ".join(options) if options else "no smaller file or context down to 512 tokens fits this machine"
     raise SpecdraftError(f"{name} needs {need.describe('its GGUF blocks', context)} but {free / GB:.1f} GB is "
@@ -225,23 +238,24 @@ def check_gguf_fits(model: nn.Module, desc: GGUFDescription, name: str, context:
 
 
 def check_fits(model: nn.Module, name: str, fmt: str, dtype: torch.dtype, context: int, batch_size: int = 1,
-               available: int | None = None) -> Footprint:
+               available: int | None = None, prefix_cache: int = 0) -> Footprint:
     """The footprint, or a SpecdraftError naming what would fit when it exceeds the memory available:
-    the next smaller format, a shorter context, or both."""
-    need = estimate(model, fmt, dtype, context, batch_size)
+    a smaller prefix cache, the next smaller format, a shorter context, or both."""
+    need = estimate(model, fmt, dtype, context, batch_size, prefix_cache)
     free = available_memory() if available is None else available
     if need.total <= free:
         return need
-    options = []
+    options = [o for o in [_smaller_prefix_cache(need, free)] if o]
     smaller = SMALLER.get(fmt)
     if smaller is not None:
         small_dtype = torch.float32 if smaller in ("q8", "q4") else dtype
-        alt = estimate(model, smaller, small_dtype, context, batch_size)
+        alt = estimate(model, smaller, small_dtype, context, batch_size, prefix_cache)
         if alt.total <= free:
             options.append(f"--weights {smaller} fits (~{alt.total / GB:.1f} GB)")
-        elif (fits := _fitting_context(model, smaller, small_dtype, context // 2, batch_size, free)) is not None:
+        elif (fits := _fitting_context(model, smaller, small_dtype, context // 2, batch_size, free,
+                                       prefix_cache)) is not None:
             options.append(f"--weights {smaller} with --max-context {fits} fits")
-    shorter = _fitting_context(model, fmt, dtype, context // 2, batch_size, free)
+    shorter = _fitting_context(model, fmt, dtype, context // 2, batch_size, free, prefix_cache)
     if shorter is not None:
         options.append(f"--max-context {shorter} fits")
     hint = "; ".join(options) if options else "no smaller format or context down to 512 tokens fits this machine"

@@ -18,14 +18,15 @@ def load_served(model: str, drafter: str, dtype: str, device: str, max_batch_siz
                 prefix_cache_bytes: int = 0) -> ServedModel:
     """Load the target and drafter and build the engine the server drives (compiled graphs and
     the draft policy's step costs are measured here, before the port opens, so no request waits).
-    `prefix_cache_bytes`: the most finished requests' K/V kept for prompts that start alike (0: none)."""
+    `prefix_cache_bytes`: the most finished requests' K/V kept for prompts that start alike (0: none),
+    counted in the memory check before loading."""
     from specdraft.engine_builder import build_engine, check_drafter_fits_target
     from specdraft.runtime import Runtime
     from specdraft.speculative.prefix_cache import PrefixCache
 
     check_drafter_fits_target(model, drafter, drafter_path)
     rt = Runtime.load(model, dtype, device, weights=weights, compile=compile, prefill_dtype=prefill_dtype,
-                      context=max_context, batch_size=max_batch_size)
+                      context=max_context, batch_size=max_batch_size, prefix_cache_bytes=prefix_cache_bytes)
     if compile:
         rt.model.compiled_step.warm_up(max_batch_size)
     cache = {"prefix_cache": PrefixCache(prefix_cache_bytes)} if prefix_cache_bytes > 0 else {}

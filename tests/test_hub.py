@@ -3,15 +3,17 @@ download path, against a stand-in for the Hub's HTTP API (tests/hub_standin.py; 
 Hub): the memory check refuses before a byte of weights is fetched, only the text shards are
 fetched, `--drafter auto` pairs Gemma 4's assistant, a prepared cache works offline, and every
 bad input is one line: an unknown id or revision, no network, a gated repository without a
-token, a download cut half-way (retried in the run; a run that gives up leaves a clean cache and
-the next run completes it).
+token, a download cut half-way (retried in the run; a weight shard that a run gives up on is kept
+in part, and the next run goes on from where it stopped).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -185,3 +187,42 @@ def test_a_download_that_gives_up_is_one_line_and_the_next_run_completes_it(hub,
     code, out, err = run(capsys, "generate", "hello world", "--model", TARGET, "--drafter", "none", *FLAGS)
     assert code == 0, err
     assert len(json.loads(out)["token_ids"]) == 6
+
+
+@pytest.mark.parametrize("resumable", [True, False])
+def test_a_shard_cut_off_in_one_run_resumes_in_the_next_from_where_it_stopped(hub, checkpoints, capsys, monkeypatch,
+                                                                            resumable):
+    """The Hub goes down half-way through the text shard and stays down: the run fails in one
+    line, keeping the part it got as the cache's `.incomplete` blob; the next run asks for the
+    rest only (a Range from that length) and the shard in the cache is the Hub's, byte for byte.
+    huggingface_hub writes what arrives a chunk at a time (10 MB; 4 kB here, so that this small
+    shard behaves as a large one). Negative control: huggingface_hub's own download alone keeps
+    nothing of the cut shard and fetches it from its first byte again."""
+    import huggingface_hub
+
+    from specdraft.loading import hub as hub_module
+
+    target, _ = checkpoints
+    monkeypatch.setattr(huggingface_hub.constants, "DOWNLOAD_CHUNK_SIZE", 4096)
+    if not resumable:
+        monkeypatch.setattr(hub_module, "fetch_shards", lambda *a, **k: None)
+    hub.cut.add(TEXT_SHARD)
+    hub.stay_down = True
+    argv = ["generate", "hello world", "--model", TARGET, "--drafter", "none", *FLAGS]
+    code, _, err = run(capsys, *argv)
+    one_line_error(code, err, TARGET, "again")
+    cache = Path(os.environ["HF_HOME"])
+    kept = [p.stat().st_size for p in cache.rglob("*.incomplete")]
+    size = (target / TEXT_SHARD).stat().st_size
+    hub.down = hub.stay_down = False
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err and len(json.loads(out)["token_ids"]) == 6
+    last_range = hub.downloaded(TEXT_SHARD)[-1][1]
+    if resumable:
+        assert len(kept) == 1 and 0 < kept[0] < size
+        assert last_range == f"bytes={kept[0]}-"
+    else:
+        assert kept == [] and last_range is None
+    (shard,) = [p for p in cache.rglob(TEXT_SHARD) if "snapshots" in p.parts]
+    assert shard.read_bytes() == (target / TEXT_SHARD).read_bytes()
+    assert not list(cache.rglob("*.incomplete"))

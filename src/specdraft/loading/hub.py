@@ -1,9 +1,10 @@
 """Hugging Face Hub ids (`org/name` or `org/name@revision`) -> a folder in the Hugging Face cache.
 
 Everything goes through huggingface_hub: its cache ($HF_HOME, $HF_HUB_CACHE), its progress bars,
-its retries (a cut transfer is retried in the run; files already fetched stay, so a rerun fetches
-only what is missing), $HF_TOKEN,
-$HF_HUB_OFFLINE and $HF_ENDPOINT (read when a command runs, not when the library was imported).
+its retries (a cut transfer is retried in the run), $HF_TOKEN, $HF_HUB_OFFLINE and $HF_ENDPOINT
+(read when a command runs, not when the library was imported). Weight shards are fetched into
+its cache so that a run that gives up mid-file leaves the part it got, and the next run goes on
+from there (hub_resume.py); files already fetched stay, so a rerun fetches only what is missing.
 A local folder or file never comes here (presets.resolve_model tries them first).
 
 The order matters: config.json comes first, alone, and `before_download` (the memory check, from
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specdraft.errors import SpecdraftError
+from specdraft.loading.hub_resume import fetch_shards
 
 # org/name as the Hub spells repository ids, and an optional @revision (a branch, tag or commit).
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*)(?:@(?P<rev>[A-Za-z0-9_./-]+))?")
@@ -110,7 +112,10 @@ def resolve(name: str, progress: bool = True, before_download: Callable[[Path], 
         if fetch and progress:
             size = sum(f.file_size or 0 for f in fetch)
             print(f"specdraft: fetching {name}: {len(fetch)} file(s), {size / GB:.2f} GB, into the Hugging Face "
-                  "cache (an interrupted run leaves what it finished: a rerun fetches only the rest)", file=sys.stderr, flush=True)
+                  "cache (an interrupted run leaves what it got: a rerun fetches only the rest)", file=sys.stderr,
+                  flush=True)
+        if fetch:  # the shards first, resumable across runs; then the rest, and the snapshot's links
+            fetch_shards(repo, fetch[0].commit_hash or rev, [f.filename for f in fetch], opts)
         path = hub.snapshot_download(repo, revision=rev, allow_patterns=files, **opts)
     except SpecdraftError:
         raise

@@ -226,3 +226,22 @@ def test_a_shard_cut_off_in_one_run_resumes_in_the_next_from_where_it_stopped(hu
     (shard,) = [p for p in cache.rglob(TEXT_SHARD) if "snapshots" in p.parts]
     assert shard.read_bytes() == (target / TEXT_SHARD).read_bytes()
     assert not list(cache.rglob("*.incomplete"))
+
+
+def test_bench_auto_pairs_the_assistant_as_generate_does(hub, checkpoints, capsys, tmp_path):
+    """`specdraft bench`'s `auto` is `generate --drafter auto`: on a Gemma 4 target named by its
+    Hub id it runs the official assistant with prompt lookup, says which, and gives plain's tokens."""
+    from specdraft.bench.runner import BenchConfig, run_bench
+
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["hello world"]}) + "\n")
+    payload = run_bench(BenchConfig(questions=questions, model=TARGET, methods=["auto"], max_new_tokens=6,
+                                    dtype="float32", device="cpu", out=tmp_path / "out", warmup=False,
+                                    progress=False, plots=False))
+    notes = payload["methods"]["auto"]["notes"]
+    assert any(n.startswith("auto = mtp+ngram") for n in notes), notes
+    assert any("gemma-4-E2B-it-assistant" in n for n in notes), notes  # the drafter auto chose
+    rows = {r["method"]: r["token_ids"] for r in payload["rows"]}
+    assert rows["auto"] == rows["plain"]
+    code, out, err = run(capsys, "generate", "hello world", "--model", TARGET, *FLAGS)
+    assert code == 0 and json.loads(out)["drafter"] == "mtp+ngram"

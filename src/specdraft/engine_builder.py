@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specdraft.drafters import load_drafter
+from specdraft.drafters.kinds import resolve_auto
 from specdraft.drafters.base import Drafter
 from specdraft.drafters.simulated import AcceptanceProfile, SimulatedAcceptance
 from specdraft.errors import SpecdraftError
@@ -31,6 +32,7 @@ class BuiltEngine:
     engine: Engine
     drafter: str  # the drafter kind that runs ("none": plain decoding; `auto` resolved)
     draft_tokens: int  # K, the most drafts the drafter proposes a round (0 without a drafter)
+    drafter_path: str | None = None  # the folder its network came from (`auto`: the one it chose)
 
 
 def draft_policy(rt: Runtime, policy: str = "adaptive", progress: bool = False) -> DraftPolicy | None:
@@ -80,6 +82,8 @@ def build_engine(rt: Runtime, drafter: str = "auto", drafter_path: str | None = 
     """Load the drafter `drafter` names (a kind of drafters/kinds.py; a draft model is loaded with
     Runtime.load), build the engine, and with `prepare_rows` let the policy measure its step costs
     for batches of that many rows now, so that no timed generation or served request waits on it."""
+    if drafter == "auto":  # resolved here, so that the caller learns which drafter folder auto chose
+        drafter, drafter_path = resolve_auto(rt.name, getattr(rt, "folder", None))
     found, kind, k = load_drafter(rt, drafter, drafter_path, draft_tokens, load_runtime=Runtime.load)
     if simulate is not None:
         if found is None:
@@ -88,4 +92,4 @@ def build_engine(rt: Runtime, drafter: str = "auto", drafter_path: str | None = 
     engine = engine_for(rt, found, k, policy, progress, **engine_kwargs)
     if prepare_rows is not None:
         engine.prepare_policy(prepare_rows)
-    return BuiltEngine(engine, kind, k if found is not None else 0)
+    return BuiltEngine(engine, kind, k if found is not None else 0, drafter_path if found is not None else None)

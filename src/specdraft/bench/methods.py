@@ -199,6 +199,7 @@ def build_specdraft(name: str, ctx: BenchContext) -> Method:
                             f"{', '.join(f'{p:g}' for p in simulate.cumulative)}: {simulate.source}); the drafter "
                             "runs and is paid for, its drafts match the plain output that often")
     drafter, kind, k = built.engine.drafter, built.drafter, built.draft_tokens
+    path = path or built.drafter_path  # `auto`: the drafter it chose (the shipped one, Gemma 4's assistant)
     if base == "auto":
         method.notes.append(f"auto = {kind}" + ("; adaptive draft width per round (0 = plain) from step costs "
                                                  "measured on this machine" if drafter else ""))

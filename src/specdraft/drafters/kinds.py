@@ -111,7 +111,8 @@ def _draft_model(b: DrafterSettings) -> tuple[Drafter | None, int]:
         else DEFAULT_K
 
 
-MTP_FOLDER = "a drafter folder (config.json + model.safetensors; default: the one shipped for the model)"
+MTP_FOLDER = ("a drafter folder (config.json + model.safetensors; default: the one shipped for the model) or a "
+              "gemma4-assistant GGUF")
 KINDS: dict[str, DrafterKind] = {k.name: k for k in (
     DrafterKind("auto", ("mtp", "ngram"), None, None),
     DrafterKind("none", (), None, _none),

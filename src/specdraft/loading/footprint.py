@@ -13,7 +13,8 @@ The estimate counts, from the model built on the meta device (shapes only):
 A GGUF file loaded from its own blocks (loading/gguf_direct.py) is counted from its header: each
 matrix as the int8 kernel keeps its blocks (GGUF_LOADED_BYTES), the token table as the file
 stores it (a view of the file), the per-layer table not at all (a row per token), plus the
-largest matrix's decoding transients.
+largest matrix's decoding transients. A gemma4-assistant GGUF (the MTP drafter) is counted the
+same way before its weights are read, against the memory left beside the loaded target.
 """
 
 from __future__ import annotations
@@ -210,6 +211,43 @@ def estimate_gguf(model: nn.Module, desc: GGUFDescription, context: int, batch_s
     logits = batch_size * DRAFT_ROWS * head * 4 * 3
     kv = kv_bytes(model, torch.float32, context, batch_size)
     return Footprint(int(weights), kv, BASE_WORKING_SET + logits + largest * DECODE_TRANSIENT, prefix_cache)
+
+
+def estimate_gguf_drafter(desc: GGUFDescription, batch_size: int = 1) -> Footprint:
+    """The footprint of a gemma4-assistant GGUF loaded from its own blocks (drafters/mtp/gguf.py):
+    each matrix as the kernel keeps it, its token table included (the table is its dense head:
+    no view of the file stays), vectors in float32; the largest matrix's decoding transients and a
+    round's dense logits as the working set. It keeps no KV cache (it reads the target's)."""
+    from specdraft.loading.gguf_file import hf_name
+
+    weights, largest = 0.0, 0
+    for name, t in desc.tensors.items():
+        if hf_name(name, desc.arch) is None:
+            continue  # rope_freqs (read into the config)
+        numel = 1
+        for d in t.shape:
+            numel *= int(d)
+        if len(t.shape) == 1:
+            weights += numel * 4
+            continue
+        weights += numel * GGUF_LOADED_BYTES.get(t.tensor_type.name, 4.0)
+        largest = max(largest, numel)
+    logits = batch_size * DRAFT_ROWS * desc.config["text_config"]["vocab_size"] * 4 * 3
+    return Footprint(int(weights), 0, logits + largest * DECODE_TRANSIENT)
+
+
+def check_gguf_drafter_fits(desc: GGUFDescription, name: str, batch_size: int = 1,
+                            available: int | None = None) -> Footprint:
+    """The drafter's footprint (estimate_gguf_drafter), or a one-line refusal before any of its
+    weights is read, where it exceeds the memory left beside the loaded target."""
+    need = estimate_gguf_drafter(desc, batch_size)
+    free = available_memory() if available is None else available
+    if need.total <= free:
+        return need
+    raise SpecdraftError(f"the drafter {name} needs ~{need.total / GB:.2f} GB (weights {need.weights / GB:.2f} GB as its "
+                         f"GGUF blocks, working set {need.working / GB:.2f} GB) but {free / GB:.2f} GB is available "
+                         "beside the target; --drafter ngram (prompt lookup) needs no weights, or give the target "
+                         "a shorter --max-context")
 
 
 def check_gguf_fits(model: nn.Module, desc: GGUFDescription, name: str, context: int, batch_size: int = 1,

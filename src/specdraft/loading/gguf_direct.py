@@ -41,6 +41,7 @@ from specdraft.loading.gguf_file import hf_name
 from specdraft.loading.gguf_reader import GGUFTensor
 from specdraft.loading.weights import decoder_name
 from specdraft.models.architectures.hf_config import read_model_config
+from specdraft.models.formats.block_linear import Blocks
 from specdraft.models.formats.gguf_table import GGUFEmbedding
 from specdraft.models.formats.q8_act_linear import Q8ActLinear
 from specdraft.models.formats.quant import compact_head, compact_matrix
@@ -58,7 +59,7 @@ def describe_model(desc: GGUFDescription) -> tuple[ModelConfig, nn.Module]:
         return cfg, build_model(cfg)
 
 
-class _FileMap:
+class FileMap:
     """The file mapped privately (copy-on-write, as checkpoints are): a tensor's bytes are a view,
     and `release` hands a read matrix's pages back so they stop counting as resident."""
 
@@ -81,15 +82,24 @@ class _FileMap:
             self.map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
 
-def _matrix_shape(t: GGUFTensor) -> tuple[int, int]:
+def matrix_shape(t: GGUFTensor) -> tuple[int, int]:
     k, n = (int(d) for d in t.shape[:2])  # GGUF lists the input width first
     return n, k
 
 
-def _floats(t: GGUFTensor, raw: torch.Tensor) -> torch.Tensor:
+def float_values(t: GGUFTensor, raw: torch.Tensor) -> torch.Tensor:
     """A plain-float tensor's values as float32, in numpy order (rows first)."""
     dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[t.tensor_type.name]
     return raw.view(dtype).view(*reversed(t.shape)).float()
+
+
+def tensor_values(t: GGUFTensor, raw: torch.Tensor) -> torch.Tensor:
+    """A small tensor's values (a norm, a scalar, a vector) as float32, in numpy order, whatever
+    its type."""
+    fmt = t.tensor_type.name
+    if fmt in FLOAT_TYPES:
+        return float_values(t, raw)
+    return _decoder(fmt, int(t.shape[0]))(raw.numpy().reshape(-1, t.data.shape[-1])).reshape(*reversed(t.shape))
 
 
 def _decoder(fmt: str, width: int):
@@ -100,17 +110,22 @@ def _decoder(fmt: str, width: int):
     return lambda rows: decode_blocks(rows, fmt, (rows.shape[0], width)).dequantized()
 
 
-def _kernel_linear(fmt: str, n: int, k: int, raw: torch.Tensor, name: str, kept: list[str]) -> nn.Module:
+def matrix_blocks(fmt: str, n: int, k: int, raw: torch.Tensor, name: str) -> Blocks:
+    """A block-format matrix's codes and scales as they are (a one-line error for bad bytes)."""
+    try:
+        return decode_blocks(raw.numpy(), fmt, (n, k))
+    except ValueError as e:
+        raise SpecdraftError(f"cannot read the blocks of {name} ({e}); is the file corrupt?") from None
+
+
+def matrix_linear(fmt: str, n: int, k: int, raw: torch.Tensor, name: str, kept: list[str]) -> nn.Module:
     """One matrix's linear: the kernel over its own blocks, or (plain floats) compacted as a
     checkpoint's are under q8; float32 where the kernel takes no such shape (named in `kept`)."""
     if fmt in SUPPORTED_BLOCK_FORMATS:
         laid_out = Q8ActLinear.from_file(raw, fmt, n, k)  # Q8_0 / Q4_K / Q6_K: in C, from the bytes
         if laid_out is not None:
             return laid_out
-        try:
-            blocks = decode_blocks(raw.numpy(), fmt, (n, k))
-        except ValueError as e:
-            raise SpecdraftError(f"cannot read the blocks of {name} ({e}); is the file corrupt?") from None
+        blocks = matrix_blocks(fmt, n, k, raw, name)
         if Q8ActLinear.takes(blocks):
             return Q8ActLinear(blocks, None)
         weight = blocks.dequantized()
@@ -128,9 +143,9 @@ def _kernel_linear(fmt: str, n: int, k: int, raw: torch.Tensor, name: str, kept:
 def _expert_linears(fmt: str, t: GGUFTensor, raw: torch.Tensor, name: str, kept: list[str]) -> list[nn.Module]:
     """An [E, N, K] expert stack -> one linear per expert."""
     experts = int(t.shape[2])
-    n, k = _matrix_shape(t)
+    n, k = matrix_shape(t)
     per = raw.numel() // experts
-    return [_kernel_linear(fmt, n, k, raw[e * per : (e + 1) * per], f"{name}[{e}]", kept) for e in range(experts)]
+    return [matrix_linear(fmt, n, k, raw[e * per : (e + 1) * per], f"{name}[{e}]", kept) for e in range(experts)]
 
 
 def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -155,7 +170,7 @@ def load_gguf(desc: GGUFDescription, progress: bool = True) -> tuple[nn.Module, 
     params = dict(model.named_parameters())
     names = {t: hf_name(t, desc.arch) for t in desc.tensors}
     unused = set(model.unused_checkpoint_tensors([decoder_name(h) for h in names.values() if h]))
-    files, kept, split, towers, mapped = _FileMap(desc), [], {}, 0, 0
+    files, kept, split, towers, mapped = FileMap(desc), [], {}, 0, 0
     seen: set[str] = set()
     for t in tqdm(desc.reader.tensors, desc=f"loading {desc.path.name}", unit="tensor", disable=not progress):
         hf = names[t.name]
@@ -187,11 +202,11 @@ def load_gguf(desc: GGUFDescription, progress: bool = True) -> tuple[nn.Module, 
                 model.packed_head = _head(fmt, rows, int(t.shape[0]), raw, kept)
         elif attr == "weight" and type(owner) is nn.Linear:
             parent, slot = _owner(model, name.removesuffix(".weight"))
-            setattr(parent, slot, _kernel_linear(fmt, *_matrix_shape(t), raw, name, kept))
+            setattr(parent, slot, matrix_linear(fmt, *matrix_shape(t), raw, name, kept))
         elif hasattr(owner, "compact_experts") and attr in owner.expert_parts:
             owner.compact_part(attr, _expert_linears(fmt, t, raw, t.name, kept), lambda m: m)
         else:
-            values = _floats(t, raw) if fmt in FLOAT_TYPES else _decoder(fmt, got[-1])(raw.numpy().reshape(-1, t.data.shape[-1]))
+            values = float_values(t, raw) if fmt in FLOAT_TYPES else _decoder(fmt, got[-1])(raw.numpy().reshape(-1, t.data.shape[-1]))
             _set_tensor(model, name, values.reshape(want).clone())
         if name not in TABLES:
             files.release(t)
@@ -213,7 +228,7 @@ def load_gguf(desc: GGUFDescription, progress: bool = True) -> tuple[nn.Module, 
 def _head(fmt: str, rows: int, width: int, raw: torch.Tensor, kept: list[str]) -> nn.Module:
     """The tied LM head: a kernel linear over the token table's own blocks."""
     if fmt in SUPPORTED_BLOCK_FORMATS:
-        return _kernel_linear(fmt, rows, width, raw, "the LM head", kept)
+        return matrix_linear(fmt, rows, width, raw, "the LM head", kept)
     holder = nn.Module()
     compact_head(holder, _decoder(fmt, width)(raw.numpy().reshape(rows, -1)), "q8", torch.float32)
     return holder.packed_head

@@ -96,6 +96,9 @@ SUPPORTED_ARCHS = ("gemma3", "gemma4", GEMMA4_ASSISTANT, "llama", "qwen2", "qwen
 # Vision and audio towers and their projectors, which Ollama keeps in the same file as the text
 # decoder (llama.cpp puts them in a separate mmproj file); specdraft runs text only.
 _GEMMA4_TOWERS = ("v.", "a.", "mm.")
+# An assistant's clustered head (centroids, token ordering) under llama.cpp's names: its converter
+# leaves it out, and where a file carries it, it is not read (the drafter's head is dense).
+CLUSTERED_HEAD = "masked_embd"
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -228,8 +231,8 @@ def hf_name(gguf_name: str, arch: str) -> str | None:
 
 def _gemma4_hf_name(gguf_name: str, arch: str) -> str | None:
     """A gemma4 / gemma4-assistant GGUF tensor's HF name (None: not a text-decoder weight: the
-    rope_freqs read into the config, or a vision/audio tower's tensor)."""
-    if gguf_name == "rope_freqs.weight" or gguf_name.startswith(_GEMMA4_TOWERS):
+    rope_freqs read into the config, a vision/audio tower's tensor, an assistant's clustered head)."""
+    if gguf_name == "rope_freqs.weight" or gguf_name.startswith(_GEMMA4_TOWERS + (CLUSTERED_HEAD,)):
         return None
     if gguf_name in _GEMMA4_TOP:
         return _GEMMA4_TOP[gguf_name]

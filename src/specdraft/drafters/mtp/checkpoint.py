@@ -1,7 +1,8 @@
 """Loading and saving MTP drafters (Gemma 4 assistant layout), checked against their target.
 
 A drafter path is a folder (config.json + safetensors) or a llama.cpp `gemma4-assistant` GGUF
-(converted once into a cache folder, loading/gguf_file.py). `check_drafter_fits` compares a
+(run from its own blocks beside a target on the C kernels, drafters/mtp/gguf.py; beside a float
+target its weights are dequantised in memory, loading/gguf_file.py). `check_drafter_fits` compares a
 drafter with a target from their configs alone, before either one's weights are read.
 """
 
@@ -178,8 +179,17 @@ def load_network(folder: Path, target: torch.nn.Module, dtype: torch.dtype, devi
 
 
 def load_mtp_drafter(folder: Path, target: torch.nn.Module, dtype: torch.dtype, device) -> MTPDrafter:
-    """A drafter from a folder or a gemma4-assistant GGUF, checked against `target`."""
-    net, sources = load_network(Path(folder), target, dtype, device)
+    """A drafter from a folder or a gemma4-assistant GGUF, checked against `target`. A GGUF runs
+    from its own blocks beside a target on the C kernels (drafters/mtp/gguf.py)."""
+    from specdraft.drafters.mtp.gguf import load_gguf_network, loads_from_blocks
+
+    folder = Path(folder).expanduser()
+    if loads_from_blocks(folder, target, dtype, device):
+        cfg = read_drafter_config(folder)
+        sources = kv_sources(cfg, target)  # refused before the memory check and any weight
+        net = load_gguf_network(folder, cfg)
+    else:
+        net, sources = load_network(folder, target, dtype, device)
     kernels_like_target(net, target)
     return MTPDrafter(net, target, sources)
 

@@ -135,11 +135,12 @@ def host_copy_columns(copies: list[list[int]], top: list[list[int]], slots: tupl
 
 
 def add_copies(logits: torch.Tensor, cands: torch.Tensor | None, copies: torch.Tensor, bonus: torch.Tensor,
-               vectors: torch.Tensor, table: torch.Tensor, columns: tuple[torch.Tensor, torch.Tensor] | None = None
+               vectors: torch.Tensor, table: torch.Tensor | None, columns: tuple[torch.Tensor, torch.Tensor] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits [N, M] over candidates cands [N, M] (None: all V) with each copy's bonus added to its
     token's logit. A copy outside the candidates becomes a candidate of its own (its score
-    `vectors` . table[copy] plus the bonus); a copy that is already a candidate, or none, adds a
+    `vectors` . table[copy] plus the bonus; with all V scored, vectors and table go unread); a copy
+    that is already a candidate, or none, adds a
     column with logit -inf (kept for a fixed shape), so no token is counted twice. `columns`:
     copy_columns' answer, if the caller has it (host_copy_columns)."""
     bonus = torch.where(copies >= 0, bonus, 0.0).to(logits.dtype)

@@ -156,9 +156,20 @@ class MTPDrafter(Drafter):
         head.top_k = top_k
 
     def head_table_and_input(self, z: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the [V, d] table a clustered head scores its candidates against, the vectors it scores)."""
         if self.net.config.head == "own":
             return self.net.model.embed_tokens.weight, z
         return self.target.head_weight, state
+
+    def dense_logits(self, z: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Every token's logit [N, V] (a dense head) through the head's own kernel where it has one:
+        the drafter's table kept as GGUF blocks (`packed_head`), or the target's head; neither
+        reads a float table (a GGUF target's and a GGUF assistant's stay in their files' blocks)."""
+        if self.net.packed_head is not None:
+            return self.net.packed_head(z).float()
+        if self.net.config.head != "own":
+            return self.target.head_scores(state).float()  # the target's own (packed) head
+        return score(z, self.net.model.embed_tokens.weight, None)
 
     def logits(self, z: torch.Tensor, state: torch.Tensor, copies: torch.Tensor | None = None, sampled: bool = False,
                step: DraftStep | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -166,21 +177,23 @@ class MTPDrafter(Drafter):
         `copies` [N, 2]: the current tokens' copy candidates (copy.py), for a drafter with a copy gate.
         `sampled`: for a sampled draft (a clustered head keeps its sampled_top_k clusters).
         `step`: the draft step z and state come from, with the head's inputs it computed, if any."""
-        table, vec = self.head_table_and_input(z, state)
         head, gated = self.net.masked_embedding, copies is not None and self.net.copy_gate is not None
-        kept = None if head is None else head.sampled_top_k if sampled else head.top_k
+        if head is None:  # every token scored; a copy's bonus is added in place (no table read)
+            logits = self.dense_logits(z, state)
+            if gated:
+                logits, _ = add_copies(logits, None, copies, self.net.copy_gate(z), z, None)
+            return logits, None
+        table, vec = self.head_table_and_input(z, state)
+        kept = head.sampled_top_k if sampled else head.top_k
         done = self._head_kernel(z, vec, table, copies if gated else None, kept=kept, step=step)
         if done is not None:
             return done
-        top = head.top_clusters(z, kept) if head is not None else None
-        cands = head.candidates(z, top) if head is not None else None
-        if cands is None and self.net.config.head != "own":
-            logits = self.target.head_scores(vec).float()  # every token: the target's own (packed) head
-        else:
-            logits = score(vec, table, cands)
+        top = head.top_clusters(z, kept)
+        cands = head.candidates(z, top)
+        logits = score(vec, table, cands)
         if gated:
             columns = None
-            if head is not None and len(copies) <= HOST_COLUMNS_ROWS:  # a few rows: find the columns on the host
+            if len(copies) <= HOST_COLUMNS_ROWS:  # a few rows: find the columns on the host
                 if self._token_slots is None:
                     self._token_slots = head.token_slots()
                 cols, live = host_copy_columns(copies.tolist(), top.tolist(), self._token_slots, head.cluster_size)
@@ -191,6 +204,8 @@ class MTPDrafter(Drafter):
     def greedy_pick(self, step: DraftStep, copies: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(greedy draft [N], its probability [N]): the argmax and softmax of `logits`' logits, taken
         in the head's C call. None where that call does not serve (see _head_kernel)."""
+        if self.net.masked_embedding is None:
+            return None
         table, vec = self.head_table_and_input(step.z, step.state)
         gated = copies is not None and self.net.copy_gate is not None
         done = self._head_kernel(step.z, vec, table, copies if gated else None, pick=True, step=step)

@@ -34,6 +34,7 @@ from specdraft.models.kernels.draft_step import DraftNet, draft_step
 from specdraft.models.kernels.fp16_gemv import takes as fp16_tiles_take
 from specdraft.models.kernels.gated_act import KINDS
 from specdraft.models.architectures.layers import GatedMLP, RMSNorm, attend
+from specdraft.models.formats.gguf_table import GGUFEmbedding
 from specdraft.models.formats.q8_act_linear import ACT_GROUP, Q8ActLinear, int8_blocks
 from specdraft.models.formats.quant import Fp16Linear
 from specdraft.models.architectures.rope import apply_rope
@@ -165,6 +166,9 @@ class MTPNetwork(nn.Module):
             if cfg.clustered else None
         )
         self.copy_gate = CopyGate(cfg.hidden_size) if cfg.copy_gate else None
+        # A dense head "own" kept as a kernel linear over its table's blocks (a GGUF assistant's
+        # token_embd: drafters/mtp/gguf.py), in place of model.embed_tokens; None: scored from the table.
+        self.packed_head: nn.Module | None = None
         self._stack = None  # a drafting round's blocks for decoder_layer.c: see _round_stack
         self._net = None  # (key, DraftNet or None, what it points into): see _draft_net
         self._net_round = None  # (the round's contexts, the DraftNet checked for it)
@@ -197,29 +201,35 @@ class MTPNetwork(nn.Module):
         if stack is None:
             z, state = self.step(target.embed(tokens[:, None]), state[:, None], contexts)
             return DraftStep(z[:, 0], state[:, 0])
-        return DraftStep(*draft_step(net, stack[1], stack[2], tokens, state))
+        embeds = None if net.table else target.embed(tokens)  # a GGUF table: its rows from its own lookup
+        return DraftStep(*draft_step(net, stack[1], stack[2], tokens, state, embeds))
 
     def _draft_net(self, target: nn.Module, state: torch.Tensor) -> DraftNet | None:
         """The network's parts outside its blocks for draft_step.c, where the kernels take them all:
         float32 inference on the CPU, kernel linears, a plain token table of fp16 or float32 rows
-        (the target's embed(): a row, widened, times embed_scale). Kept until a part changes."""
+        (the target's embed(): a row, widened, times embed_scale), or a table kept in a GGUF file's
+        blocks (no table pointer: the step is handed the rows the target's embed() gives, so the
+        blocks are dequantised by their own decoder alone). Kept until a part changes."""
         embedding = getattr(target, "embed_tokens", None)
-        if not kernels_apply(state) or type(embedding) is not nn.Embedding or target.dtype != torch.float32:
+        in_blocks = type(embedding) is GGUFEmbedding
+        if not kernels_apply(state) or not (in_blocks or type(embedding) is nn.Embedding) \
+                or target.dtype != torch.float32:
             return None
-        table = embedding.weight
+        table = None if in_blocks else embedding.weight
         head, gate = self.masked_embedding, self.copy_gate
         linears = [self.pre_projection, self.post_projection] + ([head.centroids] if head is not None else []) \
             + ([gate.proj] if gate is not None else [])
         norm = self.model.norm
-        key, tiles = parts_key(linears, [norm], id(target), table.data_ptr(), table.dtype)
+        where = (id(embedding),) if table is None else (table.data_ptr(), table.dtype)
+        key, tiles = parts_key(linears, [norm], id(target), *where)
         if self._net is None or self._net[0] != key:
-            ok = (all(kernel_linear(m) for m in linears) and norm.native_ready() and table.is_contiguous()
-                  and table.dtype in (torch.float16, torch.float32))
+            plain = table is None or (table.is_contiguous() and table.dtype in (torch.float16, torch.float32))
+            ok = all(kernel_linear(m) for m in linears) and norm.native_ready() and plain
             self._net = (key, self._build_draft_net(target, table) if ok else None, linears, tiles, table,
                          norm.native_scale())
         return self._net[1]
 
-    def _build_draft_net(self, target: nn.Module, table: torch.Tensor) -> DraftNet:
+    def _build_draft_net(self, target: nn.Module, table: torch.Tensor | None) -> DraftNet:
         head, gate, norm = self.masked_embedding, self.copy_gate, self.model.norm
         none = Linear()
         return DraftNet(
@@ -228,8 +238,9 @@ class MTPNetwork(nn.Module):
             pre=linear_weights(self.pre_projection), post=linear_weights(self.post_projection),
             centroid=linear_weights(head.centroids) if head is not None else none,
             gate=linear_weights(gate.proj) if gate is not None else none,
-            norm=pointer(norm.native_scale()), eps=norm.eps, table=table.data_ptr(),
-            table_half=int(table.dtype == torch.float16), embed_scale=float(target.config.embed_scale))
+            norm=pointer(norm.native_scale()), eps=norm.eps, table=pointer(table),
+            table_half=int(table is not None and table.dtype == torch.float16),
+            embed_scale=float(target.config.embed_scale))
 
     def _round_stack(self, x: torch.Tensor, contexts: list[LayerContext]) -> tuple | None:
         """(contexts, the blocks' LayerWeights, their LayerSteps, what those point into) when every

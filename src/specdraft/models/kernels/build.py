@@ -57,7 +57,7 @@ SIGNATURES = {  # name: argument types (every kernel returns nothing)
     "fp16_gemv": [_PTR] * 4 + [_I64] * 3 + [_INT],
     "decoder_layer": [_PTR] * 5 + [_INT],
     "decoder_stack": [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _INT],
-    "draft_step": [_PTR, _PTR, _PTR, _I64] + [_PTR] * 7 + [_INT],
+    "draft_step": [_PTR, _PTR, _PTR, _I64] + [_PTR] * 8 + [_INT],
     "gemma4_stack": [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _PTR, _INT],
     "gemma4_timers": [_INT, _PTR],
     "gguf_repack": [_PTR, _INT, _I64, _I64, _INT, _PTR, _PTR, _PTR, _INT],

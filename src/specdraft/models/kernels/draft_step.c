@@ -2,6 +2,8 @@
  * its clustered head's inputs.
  *
  *     e      = table[token] (widened to float32) * embed_scale        the target's input embedding
+ *              (or `embeds`, the rows the target's own lookup gave: a table kept in a GGUF file's
+ *              blocks is dequantised by its own decoder, which this file does not duplicate)
  *     x      = pre([e, state]);  x = blocks(x)                        decoder_stack, query-only
  *     z      = norm(x);  state' = post(z)
  *     scores = centroids(z);  bonus = gate(z)                         (when the drafter has them)
@@ -22,7 +24,7 @@ typedef struct {
     Linear pre, post, centroid, gate; /* pre: 2H -> h, post: h -> H, centroid: h -> C, gate: h -> gate_out */
     const float *norm; /* the final norm's scale (NULL: none) */
     float eps;
-    const void *table; /* the target's token table [V, H]: fp16 bits (table_half) or float32 */
+    const void *table; /* the target's token table [V, H]: fp16 bits (table_half) or float32; NULL: `embeds` */
     int table_half;
     float embed_scale;
 } DraftNet;
@@ -38,10 +40,11 @@ int64_t draft_step_scratch(const DraftNet *net, const LayerWeights *L, const Lay
 }
 
 /* tokens [N] int64, state [N, H] -> z [N, h], state_out [N, H], scores [N, centroids] and bonus
- * [N, gate_out] (each written only when the drafter has it). */
+ * [N, gate_out] (each written only when the drafter has it). embeds [N, H]: the tokens' scaled
+ * input embeddings, read where the net has no table (else NULL). */
 void draft_step(const DraftNet *net, const LayerWeights *L, const LayerStep *S, int64_t n, const int64_t *tokens,
-                const float *state, float *z, float *state_out, float *scores, float *bonus, float *scratch,
-                int threads)
+                const float *embeds, const float *state, float *z, float *state_out, float *scores, float *bonus,
+                float *scratch, int threads)
 {
     const int64_t N = S[0].B * S[0].T, h = net->hidden, H = net->backbone;
     float *joined = scratch, *x = joined + N * 2 * H, *y = x + N * h, *rows = y + N * h;
@@ -49,7 +52,9 @@ void draft_step(const DraftNet *net, const LayerWeights *L, const LayerStep *S, 
 
     for (int64_t r = 0; r < N; r++) { /* [e, state]: e as models' embed() gives it */
         float *e = joined + r * 2 * H;
-        if (net->table_half) {
+        if (!net->table) {
+            memcpy(e, embeds + r * H, H * sizeof(float));
+        } else if (net->table_half) {
             const uint16_t *row = (const uint16_t *)net->table + tokens[r] * H;
             for (int64_t i = 0; i < H; i++) e[i] = _cvtsh_ss(row[i]) * net->embed_scale;
         } else {

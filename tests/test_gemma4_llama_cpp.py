@@ -316,6 +316,47 @@ def test_a_gguf_that_cannot_fit_is_refused_from_its_header(llama_gguf, tmp_path,
     assert Runtime.load(str(path), progress=False, context=1024).footprint.total < 2 << 30
 
 
+def test_an_explicit_format_refuses_a_conversion_that_cannot_fit(llama_gguf, tmp_path, monkeypatch):
+    """--weights q8 on a GGUF converts it to a float32 folder first, every weight in float32 at
+    once: where that cannot fit, one line naming --weights gguf-q8 (the file's own blocks, which
+    does), and where the converted model itself cannot, check_fits' line, each before anything is
+    converted (the converter is replaced by one that fails the test); with room, it converts and
+    loads (the control)."""
+    import specdraft.loading.gguf_direct as direct
+    import specdraft.loading.gguf_file as gguf_file
+    from specdraft.loading.footprint import estimate, estimate_gguf, estimate_gguf_conversion
+    from specdraft.loading.gguf_description import describe_gguf
+
+    fmt, path = llama_gguf
+    if fmt != "Q8_0":
+        pytest.skip("the refusal reads the header only; one file suffices")
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    desc = describe_gguf(path)
+    _, meta = direct.describe_model(desc)
+    need = estimate_gguf_conversion(desc)
+    runs = max(estimate_gguf(meta, desc, 1024).total, estimate(meta, "q8", torch.float32, 1024).total)
+    assert runs < need
+    converter = gguf_file.convert_gguf
+
+    def must_not_convert(*a, **k):
+        raise AssertionError("the file was converted before the memory check refused")
+
+    monkeypatch.setattr(gguf_file, "convert_gguf", must_not_convert)
+    for limit, expected in (((need + runs) // 2, "converts the file to a float32 folder first, which needs"),
+                            (runs // 2, "GB as q8, KV cache")):
+        monkeypatch.setenv("SPECDRAFT_MEMORY_LIMIT", str(limit))
+        with pytest.raises(SpecdraftError) as refused:
+            Runtime.load(str(path), progress=False, weights="q8", context=1024)
+        message = str(refused.value)
+        assert "\n" not in message and expected in message and "GB is available" in message, message
+        if limit > runs // 2:
+            assert message.endswith("--weights gguf-q8 runs the file from its own blocks, no conversion (~0.4 GB)")
+    assert not (tmp_path / "cache" / "models").exists()
+    monkeypatch.setattr(gguf_file, "convert_gguf", converter)
+    monkeypatch.setenv("SPECDRAFT_MEMORY_LIMIT", str(need + 1))
+    assert Runtime.load(str(path), progress=False, weights="q8", context=1024).weights == "q8"
+
+
 def test_a_31b_sized_gguf_is_refused_from_its_header(tmp_path, monkeypatch):
     """A header declaring Gemma 4 31B's tensors at their real shapes (Q8_0 matrices; a sparse
     file, its weights never written): refused on a 24 GB budget, naming the smaller file that fits

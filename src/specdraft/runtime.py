@@ -96,9 +96,10 @@ class Runtime:
         if desc is not None:
             return cls._load_gguf(name_or_path, desc, dev, progress, compile, context, batch_size, prefix_cache_bytes)
 
-        def plan(folder: Path) -> tuple:
-            """Dtype, format and the memory check, from config.json alone (for a Hub id: before its download)."""
-            cfg, shape = describe_folder(folder)
+        def plan(folder: Path | None, described: tuple | None = None) -> tuple:
+            """Dtype, format and the memory check, from config.json alone (for a Hub id: before its
+            download), or from `described` (config, model on the meta device: a GGUF's header)."""
+            cfg, shape = describe_folder(folder) if described is None else described
             blocks = weights == "auto" and _has_blocks(name_or_path, folder)
             large = matrix_parameters(shape) >= LARGE_MODEL_PARAMETERS
             dt = resolve_dtype(dtype, dev, weights, gguf_blocks=blocks, large=large)
@@ -111,6 +112,7 @@ class Runtime:
             return dt, fmt, prompts, ctx, check_fits(shape, name_or_path, fmt, dt, ctx, batch_size,
                                                      prefix_cache=prefix_cache_bytes)
 
+        _check_conversion(name_or_path, plan, weights, dtype, dev, prefill_dtype, context, batch_size)
         folder = resolve_model(name_or_path, progress, before_download=plan)
         dt, fmt, prompts, context, footprint = plan(folder)
         model, cfg, notes = load_folder(folder, dt, dev, fmt)
@@ -202,14 +204,40 @@ def _direct_gguf(name_or_path: str, weights: str, dtype: str, dev: torch.device,
     return desc if desc.direct else None
 
 
-def _has_blocks(name_or_path: str, folder: Path) -> bool:
+def _has_blocks(name_or_path: str, folder: Path | None) -> bool:
     """Whether --weights gguf can load this model here: blocks saved by the conversion or a GGUF
     source, and the C kernels build."""
     from specdraft.loading.gguf_blocks import BLOCKS_FILE
     from specdraft.loading.presets import gguf_source
     from specdraft.models.kernels import build
 
-    return ((folder / BLOCKS_FILE).exists() or gguf_source(name_or_path) is not None) and build.available()
+    saved = folder is not None and (folder / BLOCKS_FILE).exists()
+    return (saved or gguf_source(name_or_path) is not None) and build.available()
+
+
+def _check_conversion(name_or_path: str, plan, weights: str, dtype: str, dev: torch.device, prefill_dtype: str,
+                      context: int | None, batch_size: int) -> None:
+    """Before a .gguf file is converted into a float32 folder (the formats other than its own
+    blocks load from one), refuse in one line what cannot fit: the converted model in the
+    format asked for (`plan`, from the header), and the conversion itself, which holds every
+    weight in float32 (footprint.check_gguf_conversion_fits, naming --weights gguf-q8 where the
+    file runs from its own blocks and that fits)."""
+    from specdraft.loading.footprint import check_gguf_conversion_fits, estimate_gguf
+    from specdraft.loading.gguf_description import describe_gguf
+    from specdraft.loading.gguf_direct import describe_model
+    from specdraft.loading.presets import unconverted_gguf
+
+    source = unconverted_gguf(name_or_path)
+    if source is None:
+        return
+    desc = describe_gguf(source)
+    cfg, shape = describe_model(desc)
+    _, fmt, _, ctx, _ = plan(None, (cfg, shape))
+    direct = None
+    if desc.direct and q8_act_linear.kernel_available() and dev.type == "cpu" and dtype in ("auto", "float32") \
+            and prefill_dtype == "auto":
+        direct = estimate_gguf(shape, desc, ctx, batch_size)
+    check_gguf_conversion_fits(desc, name_or_path, fmt, direct)
 
 
 def _source_blocks(name_or_path: str, folder: Path) -> dict:

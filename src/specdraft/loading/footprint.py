@@ -213,6 +213,48 @@ def estimate_gguf(model: nn.Module, desc: GGUFDescription, context: int, batch_s
     return Footprint(int(weights), kv, BASE_WORKING_SET + logits + largest * DECODE_TRANSIENT, prefix_cache)
 
 
+# Bytes a weight takes while a GGUF file converts to a float32 folder (loading/gguf_file.convert_gguf):
+# the float32 state of every tensor, held until the blocks of the quantised ones are read beside it
+# (int8 codes, float32 scales and offsets per 16 or 32 codes: at most 1.25 bytes a weight).
+CONVERSION_FLOAT_BYTES = 4
+CONVERSION_BLOCK_BYTES = 1.25
+
+
+def estimate_gguf_conversion(desc: GGUFDescription) -> int:
+    """The peak bytes of converting a GGUF file into a float32 folder, from its header."""
+    from specdraft.loading.gguf_blocks import SUPPORTED_BLOCK_FORMATS
+    from specdraft.loading.gguf_file import hf_name
+
+    total = 0.0
+    for name, t in desc.tensors.items():
+        if hf_name(name, desc.arch) is None:
+            continue
+        numel = 1
+        for d in t.shape:
+            numel *= int(d)
+        blocks = t.tensor_type.name in SUPPORTED_BLOCK_FORMATS and len(t.shape) == 2
+        total += numel * (CONVERSION_FLOAT_BYTES + (CONVERSION_BLOCK_BYTES if blocks else 0))
+    return int(total) + BASE_WORKING_SET
+
+
+def check_gguf_conversion_fits(desc: GGUFDescription, name: str, fmt: str, direct: Footprint | None,
+                               available: int | None = None) -> None:
+    """Refuse in one line, before anything is converted, a GGUF file whose conversion to a float32
+    folder (what --weights `fmt` loads from) cannot fit; `direct`: the footprint of the file run
+    from its own blocks (--weights gguf-q8), where that loader takes it, named when it fits."""
+    need = estimate_gguf_conversion(desc)
+    free = available_memory() if available is None else available
+    if need <= free:
+        return
+    if direct is not None and direct.total <= free:
+        hint = f"--weights gguf-q8 runs the file from its own blocks, no conversion (~{direct.total / GB:.1f} GB)"
+    else:
+        hint = "no conversion of this file fits this machine"
+    raise SpecdraftError(f"{name}: --weights {fmt} converts the file to a float32 folder first, which needs "
+                         f"~{need / GB:.1f} GB (every weight in float32, beside its blocks) but {free / GB:.1f} GB is "
+                         f"available; {hint}")
+
+
 def estimate_gguf_drafter(desc: GGUFDescription, batch_size: int = 1) -> Footprint:
     """The footprint of a gemma4-assistant GGUF loaded from its own blocks (drafters/mtp/gguf.py):
     each matrix as the kernel keeps it, its token table included (the table is its dense head:

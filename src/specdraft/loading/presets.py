@@ -111,11 +111,25 @@ def ensure_preset(name: str, progress: bool = True) -> Path:
     return _convert_into(PRESETS[name].locate_gguf(), folder, progress)
 
 
-def ensure_gguf(path: Path, progress: bool = True) -> Path:
-    """A GGUF file given by path, converted once into a cache folder keyed by its identity."""
+def gguf_cache_folder(path: Path) -> Path:
+    """The cache folder a GGUF file given by path is converted into, keyed by its identity."""
     stat = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return _convert_into(path, cache_root() / "models" / f"{path.stem}-{key}", progress)
+    return cache_root() / "models" / f"{path.stem}-{key}"
+
+
+def ensure_gguf(path: Path, progress: bool = True) -> Path:
+    """A GGUF file given by path, converted once into a cache folder keyed by its identity."""
+    return _convert_into(path, gguf_cache_folder(path), progress)
+
+
+def unconverted_gguf(name_or_path: str) -> Path | None:
+    """The .gguf file `name_or_path` names (not a preset) if loading it would convert it first
+    (no complete cache folder of it yet), else None."""
+    path = Path(name_or_path).expanduser()
+    if name_or_path in PRESETS or not path.is_file() or path.suffix != ".gguf":
+        return None
+    return None if is_converted(gguf_cache_folder(path)) else path
 
 
 def gguf_source(name_or_path: str) -> Path | None:

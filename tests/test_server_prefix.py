@@ -73,3 +73,34 @@ def test_next_turn_and_shared_prefix_reuse_the_cache_with_the_same_answers(tiny,
     assert reused[3] == whole(min(cached[3].usage.prompt_tokens - 1, cached[2].usage.prompt_tokens)) > 0
     assert all(n % CHUNK == 0 for n in reused)
     assert store.hits == 2
+
+
+@pytest.fixture(scope="module")
+def tiny_q8(tiny):  # noqa: F811
+    """The same model with int8-activation weights (--weights q8, the default model's kernels):
+    each position is computed alone, whatever chunk it is prefilled in."""
+    from conftest import TinyModel, load_ours
+    from specdraft.models.formats import q8_act_linear
+    from specdraft.models.formats.quant import compact_weights
+
+    if not q8_act_linear.kernel_available():
+        pytest.skip("the int8-activation kernel does not build here")
+    model, cfg = load_ours(tiny.folder)
+    compact_weights(model, "q8")
+    return TinyModel(tiny.family, tiny.folder, tiny.hf, model, cfg)
+
+
+def test_where_positions_are_computed_alone_a_prefix_ending_mid_chunk_is_restored(tiny_q8):
+    """On int8-activation weights the server restores the whole shared prefix, part-chunks
+    included, and still answers exactly what a server without the cache answers."""
+    with _client(tiny_q8, None) as url:
+        plain = _dialogue(url)
+    store = PrefixCache(64 << 20)
+    with _client(tiny_q8, store) as url:
+        cached = _dialogue(url)
+    text = lambda r: r.choices[0].message.content if hasattr(r.choices[0], "message") else r.choices[0].text  # noqa: E731
+    assert [text(r) for r in cached] == [text(r) for r in plain]
+    reused = [r.usage.prompt_tokens_details.cached_tokens for r in cached]
+    assert reused[1] > 0 and reused[2] == 0
+    # all but "w9" is shared with the request before: every shared token, not whole chunks of them
+    assert reused[3] == cached[3].usage.prompt_tokens - 1 and reused[3] % CHUNK != 0

@@ -1,7 +1,8 @@
 """The server's prefix cache over real HTTP: a conversation's next turn and a prompt sharing a
 finished request's prefix restore its KV (usage.prompt_tokens_details.cached_tokens says how
 many tokens) and answer exactly what a server without the cache answers, greedy and seeded. The
-server's cache is exact: it restores whole prefill chunks (8 tokens here) of earlier prompts."""
+server's cache is exact: it restores whole prefill chunks (8 tokens here) of earlier prompts, or
+any shared prefix where each position is computed alone (int8-activation weights)."""
 
 from __future__ import annotations
 

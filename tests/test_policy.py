@@ -294,7 +294,10 @@ def test_an_unproven_drafter_starts_narrow_and_widens_as_it_lands():
     assert p.choose([row]) == 2
     p.observe(row, "mtp", 2, 2, requested=2)
     assert p.choose([row]) == 4
-    assert p.choose([p.new_row("mtp")]) == 5  # the pool has seen drafting rounds: no narrow start
+    pooled = p.new_row("mtp")
+    assert p.choose([pooled]) == 5  # the pool has seen drafting rounds: no narrow start
+    p.observe(pooled, "mtp", 5, 0, requested=5)
+    assert p.choose([pooled]) <= 1  # but once its drafts have all missed, it probes one wide
     fresh = policy_for(FakeCosts(lambda n, w: 1.0), k=5)
     assert fresh.choose([fresh.new_row("mtp", sampled=True)]) == 5
     assert fresh.choose([fresh.new_row("lookup")]) == 5

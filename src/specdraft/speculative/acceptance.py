@@ -217,10 +217,16 @@ class AcceptanceEstimates:
         a narrow one (at E2B's costs a 4-wide verify 1.24x a plain step, a 2-wide one 1.07x),
         while one that lands widens within a few rounds. At E2B's costs a drafter that never lands
         then costs 2% over 128 tokens instead of 3.2%; one accepted as vLLM reports 1% (BENCHMARKS.md,
-        "Simulated acceptance at real sizes")."""
-        if state.sampled or source not in self.steady_sources or source not in state.from_prior:
+        "Simulated acceptance at real sizes"). The same holds for a request that started from the
+        engine's pooled evidence but whose drafts have all missed so far: its later rounds are
+        probes, and a probe one token wide learns as much about the first position for a quarter
+        of a wide one's cost."""
+        if state.sampled or source not in self.steady_sources:
             return None
-        return 1 + state.accepted.get(source, 0)
+        landed = state.accepted.get(source, 0)
+        if source in state.from_prior or (landed == 0 and state.misses.get(source, 0) > 0):
+            return 1 + landed
+        return None
 
     def _plain_round(self, state: RowAcceptance) -> None:
         """No evidence: drift back towards the priors so the row gets re-tried."""

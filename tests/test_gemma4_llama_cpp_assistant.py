@@ -214,3 +214,22 @@ def test_an_assistant_gguf_that_cannot_fit_is_refused_before_its_weights(files, 
     monkeypatch.setattr(assistant_gguf, "_fill", fill)
     monkeypatch.setenv("SPECDRAFT_MEMORY_LIMIT", str(need * 2))
     assert load_mtp_drafter(files["assistant.gguf"], gguf_target, torch.float32, "cpu").net.packed_head is not None
+
+
+def test_generate_with_both_files(files, tmp_path, monkeypatch, capsys):
+    """The command a llama.cpp user types: `generate --model target.gguf --drafter mtp
+    --drafter-path assistant.gguf` drafts (--json's stats) and prints the plain run's text
+    (acceptance is test_speculative_equals_plain_with_the_assistant_gguf's, on prompts the
+    assistant was wired to)."""
+    import json
+
+    from specdraft.cli.main import main
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    common = ["generate", "hello world", "--model", str(files["target.gguf"]), "--max-new-tokens", "16", "--json"]
+    assert main(common + ["--drafter", "none"]) == 0
+    plain = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(common + ["--drafter", "mtp", "--drafter-path", str(files["assistant.gguf"]),
+                          "--draft-policy", "fixed"]) == 0
+    spec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert spec["text"] == plain["text"] and spec["drafter"] == "mtp" and spec["drafted"] > 0

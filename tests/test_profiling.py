@@ -105,21 +105,23 @@ def test_a_cell_stops_once_its_calls_took_the_budget(clock):
     assert Counter(order) == {"slow": 2, "mid": 2, "cheap": 2}
 
 
-def test_real_size_cells_are_timed_about_once(gemma_tiny, tmp_path, clock, capsys):
-    """At a real size each target width is called once past one warm-up, the heads (70 ms) a few
-    times, the free n-gram drafter every repeat; the text is prefilled once; the lines on stderr
-    give an estimate near what it took, then what it took."""
+def test_real_size_cells_are_timed_a_few_times_in_turns(gemma_tiny, tmp_path, clock, capsys):
+    """At a real size each target width (0.4 s) is called until its calls took CELL_BUDGET (3
+    times) past one warm-up, the heads (60-90 ms) PROFILE_REPEATS times, the free n-gram drafter
+    every repeat; the text is prefilled once; the lines on stderr give an estimate near what it
+    took, then what it took."""
     model = real_size(gemma_tiny, clock)
     costs = costs_for(tmp_path, progress=True)
     costs.ensure(model, NgramDrafter(), 1, 4, 4)
     widths = profiled_widths(4)
     assert widths == [1, 2, 3, 4, 5]
     forwards = {w: model.calls[("forward", 1, w)] for w in widths}
-    assert forwards == {1: 2, 2: 1, 3: 1, 4: 1, 5: 1}  # width 1 is also the warm-up
+    assert CELL_BUDGET == 1.0
+    assert forwards == {1: 4, 2: 3, 3: 3, 4: 3, 5: 3}  # width 1 is also the warm-up
     assert prefills(model) == {("forward", 1, PHRASE + 2 * 4): 1}  # a short prefill, ranking 8 rows for 4
-    # heads 1-4 at 60-90 ms: calls until 0.25 s (3 or 4), the first size warmed up once more
+    # heads 1-4 at 60-90 ms: six calls take under 1 s, so PROFILE_REPEATS each; the first size warmed up once more
     heads = {m: model.calls[("head", m)] for m in head_sizes(1)}
-    assert heads == {1: 1 + 5, 2: 4, 3: 4, 4: 3}, heads
+    assert heads == {1: 1 + 6, 2: 6, 3: 6, 4: 6}, heads
     assert set(costs.target[1]) == set(widths) and costs.target[1][1] == pytest.approx(0.4)
     err = capsys.readouterr().err
     estimate = float(re.search(r"measuring step costs once for this model \(~(\d+) s\) \.\.\.", err).group(1))

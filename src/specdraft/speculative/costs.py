@@ -44,9 +44,12 @@ RECHECK_SLACK = 0.8
 RECHECK_FLOOR = 1e-3
 _RECHECKED: set[Path] = set()  # tables checked by this process
 # A cell is timed again only until its calls took this long (and PROFILE_REPEATS times at most):
-# a small model's steps keep every repeat, while at real sizes, where one forward takes a large
-# part of a second, a cell is timed about once and the first-use profile takes seconds.
-CELL_BUDGET = 0.25
+# a small model's steps keep every repeat; at real sizes, where one forward takes a large part of
+# a second, each cell still gets several turns. With one or two, a slow stretch of a machine whose
+# memory bandwidth wanders landed on some widths only: E4B's 4-token verify was tabled at 1.01x
+# a step where `steps` measures 1.2-1.6x, and the policy drafted 3 a round at JSON-like
+# acceptance (BENCHMARKS.md). The first-use profile takes ~10 s there, once per machine.
+CELL_BUDGET = 1.0
 # The estimate shown before profiling (estimate_seconds): a forward over n tokens costs about
 # 1 + ROW_COST * (n - 1) one-token forwards, a head or drafting call about HEAD_COST and
 # DRAFT_COST of one.

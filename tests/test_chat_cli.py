@@ -12,6 +12,7 @@ import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
 import termios
@@ -47,6 +48,7 @@ def _own_terminal() -> None:
     Ctrl-C typed there is a SIGINT to it, as in a real terminal."""
     os.setsid()
     fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job's shell leaves it: chat must undo it
 
 
 class Terminal:

@@ -68,6 +68,8 @@ def run(args) -> int:
         rt.tokenizer.chat_template = TRANSCRIPT
         stops += (TRANSCRIPT_STOP,)
     chat = Conversation(rt.tokenizer, built.engine, store, args.system)
+    if sys.stdin.isatty():  # a terminal's Ctrl-C must reach us, even if a launching shell ignored SIGINT
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"specdraft chat: {args.model}, drafter {built.drafter}. {COMMANDS}; Ctrl-C stops a reply, Ctrl-D quits.",
           file=sys.stderr, flush=True)
     state = {"last": None}

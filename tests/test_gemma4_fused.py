@@ -147,3 +147,7 @@ def test_the_breakdown_times_each_op_class_only_when_asked(folder: Path) -> None
     names = [p.name for p in parts]
     assert names[0].startswith("whole forward") and any("MLP matrices" in n for n in names)
     assert next(p for p in parts if "MLP matrices" in p.name).nbytes > 0
+    # a verification's forward is broken down the same way: its matrices take 4 rows a weight
+    wide = step_breakdown(model, context=24, repeats=3, width=4)
+    assert [p.name for p in wide] == names
+    assert wide[0].ms > 0

@@ -58,14 +58,15 @@ def _median_ms(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def step_breakdown(model: torch.nn.Module, context: int = 512, repeats: int = 15) -> list[Part]:
-    """Per-op-class time of a one-token step over `context` cached tokens (batch 1), medians of
-    `repeats` steps; the first part is the whole forward, the last what the parts leave."""
-    cache = model.new_cache(1, context + 2, PREFILL_CHUNK)
-    text = profile_tokens(model.config.vocab_size, 1, context + 1, seed=0)
+def step_breakdown(model: torch.nn.Module, context: int = 512, repeats: int = 15, width: int = 1) -> list[Part]:
+    """Per-op-class time of a forward of `width` tokens (1: a plain step; K + 1: a verification of
+    K drafts) over `context` cached tokens (batch 1), medians of `repeats` forwards; the first part
+    is the whole forward, the last what the parts leave."""
+    cache = model.new_cache(1, context + width + 1, PREFILL_CHUNK)
+    text = profile_tokens(model.config.vocab_size, 1, context + width, seed=0)
     for at in range(0, context, PREFILL_CHUNK):
         model(text[:, at : min(context, at + PREFILL_CHUNK)], cache)
-    token = text[:, context : context + 1]
+    token = text[:, context : context + width]
 
     def forward() -> torch.Tensor:
         cache.rollback([context])
@@ -99,7 +100,7 @@ def step_breakdown(model: torch.nn.Module, context: int = 512, repeats: int = 15
     outside = sum(p.ms for p in parts[1:]) - inner
     parts.append(Part("Python, dispatch, RoPE rows, masks, glue (the rest)", total - inner - outside))
     head = getattr(model, "packed_head", None)
-    parts.append(Part("LM head + argmax (after the forward)", _median_ms(lambda: model.greedy_tokens(hidden[:, -1]),
+    parts.append(Part("LM head + argmax (after the forward)", _median_ms(lambda: model.greedy_tokens(hidden[0]),
                                                                           repeats), module_bytes(head)))
     return parts
 

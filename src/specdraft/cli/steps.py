@@ -22,8 +22,8 @@ def register(sub) -> None:
     p.add_argument("--context", type=int, default=512, help="cached tokens per row (default 512)")
     p.add_argument("--repeats", type=int, default=15, help="timed calls per cell; the median is shown (default 15)")
     p.add_argument("--breakdown", action="store_true",
-                   help="also show where a plain (batch 1, width 1) step's time goes per op class: matrices by "
-                        "place with their bytes and rate, attention, norms, int8 rounding, PLE inputs, LM head, "
+                   help="also show, for each of --widths at batch 1, where a forward's time goes per op "
+                        "class (width 1: a plain step; K+1: a verification of K drafts): matrices by place with their bytes and rate, attention, norms, int8 rounding, PLE inputs, LM head, "
                         "and the rest (Python, dispatch); inside Gemma 4's fused layers per C op class")
     p.set_defaults(run=run)
 
@@ -54,17 +54,19 @@ def run(args) -> int:
 
     step_times(rt.model, batches, widths, args.context, args.repeats, progress=show)
     if args.breakdown:
-        show_breakdown(rt.model, args.context, args.repeats, gbs)
+        for width in widths:
+            show_breakdown(rt.model, args.context, args.repeats, gbs, width)
     if rt.model.compiled_step is not None:
         print(f"(compile time, not in the table: {rt.model.compiled_step.compile_seconds:.0f} s)", file=sys.stderr)
     return 0
 
 
-def show_breakdown(model, context: int, repeats: int, gbs: float) -> None:
+def show_breakdown(model, context: int, repeats: int, gbs: float, width: int = 1) -> None:
     from specdraft.bench.breakdown import omp_regions_note, step_breakdown
 
-    parts = step_breakdown(model, context, repeats)
-    print("\n| part of a plain step (batch 1) | ms | weight MB | GB/s | floor ms (bytes / bandwidth) |")
+    parts = step_breakdown(model, context, repeats, width)
+    what = "a plain step" if width == 1 else f"a {width}-token forward"
+    print(f"\n| part of {what} (batch 1) | ms | weight MB | GB/s | floor ms (bytes / bandwidth) |")
     print("|---|---|---|---|---|")
     for p in parts:
         rate = f"{p.nbytes / (p.ms / 1000) / 1e9:.1f}" if p.nbytes and p.ms > 0 else ""

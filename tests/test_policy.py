@@ -811,3 +811,60 @@ def test_drafter_positions_the_policy_stopped_asking_for_are_probed_again():
                 widths.append(p.choose([row]))
                 p.observe(row, "mtp", widths[-1], min(widths[-1], holds), requested=widths[-1])
         assert (widths[-64:].count(3) == 64) == full_rounds, widths[-64:]
+
+
+def test_rounds_dearer_than_the_table_says_are_priced_as_measured():
+    """Drafting pays by the table (1.19 tokens for 1.09x a step) but drafted rounds measure 1.3x what
+    it predicts while plain ones measure as predicted: once both kinds have run ROUNDS_SEEN rounds,
+    the policy runs plain. Rounds measuring as predicted leave the choice alone (the control)."""
+    from specdraft.speculative.policy import ROUNDS_SEEN
+
+    costs = FakeCosts(lambda n, w: 1.0 + 0.03 * (w - 1))
+
+    def after(drafted_ratio: float) -> int:
+        p = policy_for(costs, k=1, prior={"mtp": 0.19}, narrow_start=False, timed_rounds=True)
+        row = p.new_row("mtp")
+        assert p.choose([row]) == 1
+        for _ in range(ROUNDS_SEEN):
+            p.choose([row])
+            p.observe_round(costs.verify(1, 2) * drafted_ratio)
+            p.round_times.expect(False, costs.verify(1, 1))  # a plain round, as the engine would have run one
+            p.observe_round(costs.verify(1, 1))
+        return p.choose([row])
+
+    assert after(1.0) == 1
+    assert after(1.3) == 0
+
+
+def test_round_times_wait_for_both_kinds_and_take_the_median():
+    from specdraft.speculative.policy import ROUNDS_SEEN, RoundTimes
+
+    t = RoundTimes()
+    for _ in range(ROUNDS_SEEN):
+        t.expect(True, 1.0)
+        t.observe(1.5)
+    assert t.drafted_factor() == 1.0  # no plain round yet: nothing to compare with
+    t.observe(9.0)  # no round was chosen: nothing learnt
+    for ratio in [1.0] * ROUNDS_SEEN + [50.0]:  # one stalled round does not move the median
+        t.expect(False, 2.0)
+        t.observe(2.0 * ratio)
+    assert t.drafted_factor() == pytest.approx(1.5)
+
+
+def test_the_engine_times_every_round_it_chose_a_width_for(gemma_tiny, mtp_lookup):
+    """One timed round per round the policy chose, each a positive wall time; same tokens."""
+    model, vocab = gemma_tiny.ours, gemma_tiny.cfg.vocab_size
+    prompts = prompts_of([9], vocab, seed=3)
+    plain = [r.token_ids for r in Engine(model).generate(prompts, 12, eos_token_ids=[])]
+    seen = []
+
+    class Spy(AdaptivePolicy):
+        def observe_round(self, seconds: float) -> None:
+            seen.append(seconds)
+            super().observe_round(seconds)
+
+    policy = Spy(FakeCosts(lambda n, w: 1.0 + 0.01 * (w - 1)), prior={"mtp": 0.9}, timed_rounds=True)
+    results = Engine(model, None, mtp_lookup, 2, policy=policy).generate(prompts, 12, eos_token_ids=[])
+    assert [r.token_ids for r in results] == plain
+    assert len(seen) == results[0].stats.target_forwards - 1 and all(s > 0 for s in seen)  # the first token: prefill
+    assert sum(map(len, policy.round_times.ratios)) == len(seen)

@@ -44,7 +44,7 @@ def draft_policy(rt: Runtime, policy: str = "adaptive", progress: bool = False) 
     if policy != "adaptive":
         raise ValueError(f"unknown draft policy {policy!r} (adaptive or fixed)")
     key = cost_key(rt.folder, rt.weights, rt.dtype_name, rt.device)
-    return AdaptivePolicy(MeasuredCosts(key, progress=progress))
+    return AdaptivePolicy(MeasuredCosts(key, progress=progress), timed_rounds=True)
 
 
 def engine_for(rt: Runtime, drafter: Drafter | None = None, draft_tokens: int = 4, policy: str = "adaptive",

@@ -374,6 +374,7 @@ class Engine:
     # --- one round ----------------------------------------------------------------------------
     def _round(self) -> None:
         n, rows, timer = self.n_dec, self.slots[: self.n_dec], self.timer
+        started = time.perf_counter()
         cache = self.cache.rows(0, n)
         last, position = self.last[:n], self.position[:n]
         with timer.phase("draft"):
@@ -400,6 +401,7 @@ class Engine:
             # One host sync for everything the bookkeeping needs: per row the emitted tokens, then
             # the accepted count, the drafts verified and whether they were looked up.
             host = torch.cat([emitted, accepted[:, None], draft.num_valid[:, None], lookup[:, None].long()], 1).tolist()
+            self.policy.observe_round(time.perf_counter() - started)  # the host sync above ends the round's work
             chance_rows = chances.tolist() if chances is not None else [None] * n
             counts = [_RoundCounts(*h[kk + 1:]) for h in host]
             cache.rollback([r.position + c.accepted + 2 for r, c in zip(rows, counts)])

@@ -17,6 +17,9 @@ The choice reads only past tokens and counts, so greedy output and sampling stay
 
 from __future__ import annotations
 
+from collections import deque
+from statistics import median
+
 import torch
 
 from specdraft.drafters.base import Drafter
@@ -30,6 +33,12 @@ MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (est
 # acceptance) grows with the rows and is not in the measured costs, which themselves read +-10%
 # apart on a shared CPU (BENCHMARKS.md, "int8 rows on VNNI").
 BATCH_MARGIN = 0.10
+# The cost table times forwards alone; a round as the engine runs it also pays host work and a
+# head over real rows, and a drafted round's share of that differs from a plain one's. So rounds
+# are timed as they run, and drafted widths are priced at the measured drafted / plain ratio once
+# each kind has run this many rounds (the median of the last ROUND_WINDOW of each).
+ROUNDS_SEEN = 4
+ROUND_WINDOW = 16
 
 
 class DraftPolicy:
@@ -53,6 +62,9 @@ class DraftPolicy:
         """The round's width W for these decoding rows' states: 0 = a plain step."""
         raise NotImplementedError
 
+    def observe_round(self, seconds: float) -> None:
+        """The wall time of the round `choose` last chose a width for, as the engine ran it."""
+
     def observe(self, state, source: str | None, drafted: int, accepted: int,
                 chances: list[float] | None = None, requested: int | None = None) -> None:
         """A row's round: `drafted` drafts verified (0 for a plain round), `accepted` of them taken;
@@ -73,6 +85,31 @@ class FixedPolicy(DraftPolicy):
         return self.width
 
 
+class RoundTimes:
+    """Measured over predicted seconds of the rounds the engine ran, plain and drafted apart."""
+
+    def __init__(self) -> None:
+        self.ratios = (deque(maxlen=ROUND_WINDOW), deque(maxlen=ROUND_WINDOW))  # [plain, drafted]
+        self.pending: tuple[bool, float] | None = None  # the chosen round: (drafted, predicted seconds)
+
+    def expect(self, drafted: bool, predicted: float) -> None:
+        self.pending = (drafted, predicted)
+
+    def observe(self, seconds: float) -> None:
+        if self.pending is not None and self.pending[1] > 0 and seconds > 0:
+            drafted, predicted = self.pending
+            self.ratios[drafted].append(seconds / predicted)
+        self.pending = None
+
+    def drafted_factor(self) -> float:
+        """What a drafted round costs against the table, relative to what a plain one does: 1 until
+        both kinds have run ROUNDS_SEEN rounds (a run that never goes plain has nothing to compare)."""
+        plain, drafted = self.ratios
+        if len(plain) < ROUNDS_SEEN or len(drafted) < ROUNDS_SEEN:
+            return 1.0
+        return median(drafted) / median(plain)
+
+
 class AdaptivePolicy(DraftPolicy):
     """W maximising expected tokens / (draft(W) + verify(n, W + 1)) each round (see the module doc).
     `costs`: an object with ensure(model, drafter, rows, k, width), verify(n, w, alive, block) ->
@@ -81,10 +118,12 @@ class AdaptivePolicy(DraftPolicy):
 
     def __init__(self, costs, prior: dict[str, float | tuple[float, ...]] | None = None, margin: float = MARGIN,
                  batch_margin: float = BATCH_MARGIN, steady_sources: tuple[str, ...] = STEADY_SOURCES,
-                 narrow_start: bool = True):
-        """`narrow_start`: a request whose drafter is unproven starts narrow (AcceptanceEstimates.width_cap)."""
+                 narrow_start: bool = True, timed_rounds: bool = False):
+        """`narrow_start`: a request whose drafter is unproven starts narrow (AcceptanceEstimates.width_cap);
+        `timed_rounds`: price drafted rounds by how the engine's rounds measured (RoundTimes)."""
         self.costs, self.margin, self.batch_margin = costs, margin, batch_margin
         self.narrow_start = narrow_start
+        self.round_times = RoundTimes() if timed_rounds else None
         self.estimates = AcceptanceEstimates(prior, steady_sources)
 
     @property
@@ -148,13 +187,22 @@ class AdaptivePolicy(DraftPolicy):
             for b in range(block, self.width + 1, block):
                 alive[b // block] += tokens[b] - tokens[b - 1]  # this row still unrejected there
         margin = self.margin if n == 1 else max(self.margin, self.batch_margin)
-        best, best_rate = 0, n / self.costs.verify(n, 1, alive[:1], block) * (1 + margin)
+        factor = self.round_times.drafted_factor() if self.round_times is not None else 1.0
+        best_cost = self.costs.verify(n, 1, alive[:1], block)
+        best, best_rate = 0, n / best_cost * (1 + margin)
         for w in range(1, min(cap, self.width) + 1):
             draft = self.costs.draft(n, steps[w]) if steps[w] > 0 else 0.0
-            rate = gains[w] / (draft + self.costs.verify(n, widths[w] + 1, alive, block))
+            cost = draft + self.costs.verify(n, widths[w] + 1, alive, block)
+            rate = gains[w] / (cost * factor)
             if rate > best_rate:
-                best, best_rate = w, rate
+                best, best_rate, best_cost = w, rate, cost
+        if self.round_times is not None:
+            self.round_times.expect(best > 0, best_cost)
         return best
+
+    def observe_round(self, seconds: float) -> None:
+        if self.round_times is not None:
+            self.round_times.observe(seconds)
 
     def observe(self, state: RowAcceptance | None, source: str | None, drafted: int, accepted: int,
                 chances: list[float] | None = None, requested: int | None = None) -> None:

@@ -868,3 +868,27 @@ def test_the_engine_times_every_round_it_chose_a_width_for(gemma_tiny, mtp_looku
     assert [r.token_ids for r in results] == plain
     assert len(seen) == results[0].stats.target_forwards - 1 and all(s > 0 for s in seen)  # the first token: prefill
     assert sum(map(len, policy.round_times.ratios)) == len(seen)
+
+
+def test_a_row_that_always_drafts_runs_plain_rounds_to_learn_their_cost():
+    """Drafting predicted to gain a little (under PROBE_PLAIN_BELOW) has its plain rounds timed:
+    after ROUNDS_SEEN drafted rounds the policy runs ROUNDS_SEEN plain ones, then prices drafting
+    by what both measured (here 1.3x dearer than the table: plain from then on). A clear predicted
+    gain is never interrupted (the control)."""
+    from specdraft.speculative.policy import PROBE_PLAIN_BELOW, ROUNDS_SEEN
+
+    costs = FakeCosts(lambda n, w: 1.0 + 0.03 * (w - 1))
+
+    def run(prior: float, rounds: int) -> list[int]:
+        p = policy_for(costs, k=1, prior={"mtp": prior}, narrow_start=False, timed_rounds=True)
+        row, widths = p.new_row("mtp"), []
+        for _ in range(rounds):
+            w = p.choose([row])
+            widths.append(w)
+            p.observe_round(costs.verify(1, w + 1) * (1.3 if w else 1.0))
+        return widths
+
+    assert (1 + 0.19) / 1.03 < PROBE_PLAIN_BELOW < (1 + 0.9) / 1.03
+    widths = run(0.19, 3 * ROUNDS_SEEN)
+    assert widths[:ROUNDS_SEEN] == [1] * ROUNDS_SEEN and widths[ROUNDS_SEEN:] == [0] * (2 * ROUNDS_SEEN)
+    assert run(0.9, 3 * ROUNDS_SEEN) == [1] * (3 * ROUNDS_SEEN)

@@ -39,6 +39,9 @@ BATCH_MARGIN = 0.10
 # each kind has run this many rounds (the median of the last ROUND_WINDOW of each).
 ROUNDS_SEEN = 4
 ROUND_WINDOW = 16
+# A row that drafts every round never shows what a plain round costs; where drafting's predicted
+# gain is below this, the policy runs ROUNDS_SEEN plain rounds to learn it (a clear gain needs no check).
+PROBE_PLAIN_BELOW = 1.5
 
 
 class DraftPolicy:
@@ -100,6 +103,10 @@ class RoundTimes:
             drafted, predicted = self.pending
             self.ratios[drafted].append(seconds / predicted)
         self.pending = None
+
+    def wants_plain(self) -> bool:
+        """Drafted rounds have run, plain ones not enough to compare them with."""
+        return len(self.ratios[1]) >= ROUNDS_SEEN and len(self.ratios[0]) < ROUNDS_SEEN
 
     def drafted_factor(self) -> float:
         """What a drafted round costs against the table, relative to what a plain one does: 1 until
@@ -189,7 +196,8 @@ class AdaptivePolicy(DraftPolicy):
         margin = self.margin if n == 1 else max(self.margin, self.batch_margin)
         factor = self.round_times.drafted_factor() if self.round_times is not None else 1.0
         best_cost = self.costs.verify(n, 1, alive[:1], block)
-        best, best_rate = 0, n / best_cost * (1 + margin)
+        plain_rate = n / best_cost
+        best, best_rate = 0, plain_rate * (1 + margin)
         for w in range(1, min(cap, self.width) + 1):
             draft = self.costs.draft(n, steps[w]) if steps[w] > 0 else 0.0
             cost = draft + self.costs.verify(n, widths[w] + 1, alive, block)
@@ -197,6 +205,8 @@ class AdaptivePolicy(DraftPolicy):
             if rate > best_rate:
                 best, best_rate, best_cost = w, rate, cost
         if self.round_times is not None:
+            if best > 0 and self.round_times.wants_plain() and best_rate < PROBE_PLAIN_BELOW * plain_rate:
+                best, best_cost = 0, n / plain_rate
             self.round_times.expect(best > 0, best_cost)
         return best
 

@@ -186,6 +186,10 @@ def test_default_heads_get_to_data_generation(capsys, smollm2_like, tmp_path, no
     (["--min-prompt-tokens", "300"], "--min-prompt-tokens 300 is above the longest prompt allowed, 256 tokens"),
     (["--min-prompt-tokens", "50"], "no training prompt is at least 50 tokens long (--min-prompt-tokens)"),
     (["--data-from", "/no/such/run"], "--data-from /no/such/run: no recorded answers there"),
+    (["--answer-top-p", "0"], "--answer-top-p 0.0 must be in (0, 1] (try 0.95)"),
+    (["--answer-top-p", "nan"], "--answer-top-p nan must be in (0, 1]"),
+    (["--answer-temperatures", "0,hot"], "--answer-temperatures expects numbers like 0,0.7,1; got '0,hot'"),
+    (["--answer-temperatures", "0,-1"], "--answer-temperatures 0,-1 must be numbers >= 0"),
 ])
 def test_every_setting_is_checked_before_generation(capsys, smollm2_like, tmp_path, no_generation, args, needle):
     line = one_line(*run_train(capsys, smollm2_like, tmp_path, *args))

@@ -101,6 +101,13 @@ def _register_train(sub) -> None:
                         "shipped for --model) instead of random ones; its shape is kept")
     p.add_argument("--held-out", type=int, default=48, help="held-out prompts for evaluation (default 48)")
     p.add_argument("--answer-tokens", type=int, default=160, help="tokens per target answer (default 160)")
+    p.add_argument("--answer-temperatures", default="0,0,0.7,1", metavar="T,T,...",
+                   help="temperatures the target answers at, batch by batch in turn (0 = greedy; default "
+                        "0,0,0.7,1: half greedy); prompts go through the model's chat template as one user turn "
+                        "when it has one, as chat and serve send them")
+    p.add_argument("--answer-top-p", type=float, default=1.0, metavar="P",
+                   help="top-p for the sampled answers, e.g. 0.95 as chat clients send it (default 1: the whole "
+                        "distribution)")
     p.add_argument("--answer-window", type=int, default=None, metavar="N",
                    help="train and evaluate on the first N tokens of each recorded answer only (default: whole "
                         "answers), e.g. 64 for short replies: later tokens of a small model's long answers "
@@ -208,6 +215,16 @@ def run_init(args) -> int:
     return 0
 
 
+def _temperature_list(flag: str, text: str) -> tuple[float, ...]:
+    try:
+        temps = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        raise SpecdraftError(f"{flag} expects numbers like 0,0.7,1; got {text!r}") from None
+    if not all(math.isfinite(t) and t >= 0 for t in temps):
+        raise SpecdraftError(f"{flag} {text} must be numbers >= 0 (0 = greedy), e.g. 0,0.7,1")
+    return temps
+
+
 def _check_train_args(args) -> None:
     """Every train-drafter flag that can be judged without the target, before anything loads."""
     _at_least(args, ("steps", "batch_size", "anchors", "draft_tokens", "answer_tokens", "eval_every", "num_prompts",
@@ -223,6 +240,9 @@ def _check_train_args(args) -> None:
         raise SpecdraftError(f"--corpus-fraction {args.corpus_fraction} must be between 0 and 1 (try 0.5)")
     if args.synthetic_from and not args.synthetic_prompts:
         raise SpecdraftError("--synthetic-from only chooses the examples for --synthetic-prompts N; pass both")
+    args.answer_temperatures = _temperature_list("--answer-temperatures", args.answer_temperatures)
+    if not 0 < args.answer_top_p <= 1:  # NaN fails too
+        raise SpecdraftError(f"--answer-top-p {args.answer_top_p} must be in (0, 1] (try 0.95)")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise SpecdraftError(f"--lr {args.lr} must be a positive number (try 1e-3)")
     if args.answer_tokens <= args.draft_tokens:

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from specdraft.config import FULL, SLIDING
 from specdraft.drafters.mtp.source import kv_source
 from specdraft.models.kernels.sample_rows import draw_tokens
+from specdraft.sampling import SamplingParams, probabilities
 from specdraft.training import durable
 from specdraft.training.labels import top_log_probs
 from specdraft.training.prompts import BASE_TEMPLATE, format_prompt
@@ -38,6 +39,9 @@ class DataConfig:
     # Answers are a mix of greedy and sampled decoding, so the drafter sees the target's
     # modes and its spread; batches cycle through these temperatures (0 = greedy).
     temperatures: tuple[float, ...] = (0.0, 0.0, 0.7, 1.0)
+    # Sampled answers keep the smallest set of tokens holding this much probability (1 = all), as a
+    # chat client's top-p does: a drafter for a chat model then learns the replies its users see.
+    top_p: float = 1.0
     seed: int = 0
     first_prompt: int = 0  # where in the training prompts these answers start (--skip-prompts)
 
@@ -59,7 +63,8 @@ def _encode(tokenizer, prompts: list[str], max_prompt_tokens: int) -> list[list[
 
 @torch.inference_mode()
 def record_answers(model: torch.nn.Module, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-                   seed: int, slots: list[int], topk: int, eos: set[int]) -> list[dict[str, torch.Tensor]]:
+                   seed: int, slots: list[int], topk: int, eos: set[int],
+                   top_p: float = 1.0) -> list[dict[str, torch.Tensor]]:
     """Plain batched decoding that keeps what the drafter will see at inference time.
 
     Prompt positions get their hidden states from the prefill, answer positions from the
@@ -94,6 +99,8 @@ def record_answers(model: torch.nn.Module, prompts: list[list[int]], max_new_tok
         steps_logp.append(top_logp)
         if temperature == 0:
             nxt = top_ids[:, 0]
+        elif top_p < 1.0:
+            nxt = draw_tokens(probabilities(logits, SamplingParams(temperature, top_p=top_p)), gen)
         else:
             nxt = draw_tokens(torch.softmax(logits / temperature, dim=-1), gen)
         answer.append(torch.where(alive, nxt, -1))
@@ -155,10 +162,13 @@ def build_dataset(rt, prompts: list[str], out_dir: Path, cfg: DataConfig, desc: 
             # Batches cycle through the temperatures, so every shard mixes greedy and sampled.
             temp = cfg.temperatures[(shard + b) % len(cfg.temperatures)]
             records += record_answers(rt.model, ids[start : start + cfg.batch_size], cfg.max_new_tokens,
-                                      temp, cfg.seed * 1_000_003 + shard * 1000 + b, slots, cfg.topk, eos)
+                                      temp, cfg.seed * 1_000_003 + shard * 1000 + b, slots, cfg.topk, eos,
+                                      cfg.top_p)
         return records
 
     meta = {"model": rt.name, "dtype": rt.dtype_name, **asdict(cfg)}
+    if cfg.top_p == 1.0:  # folders recorded before top-p existed match (and resume) as they are
+        del meta["top_p"]
     return write_shards(out_dir, meta, prompts, cfg.shard_prompts, records_for, slots, desc, "prompt")
 
 

@@ -308,6 +308,7 @@ def _record(rt, args, train: list[str], held: list[str], corpus) -> None:
     from specdraft.training.corpus import CorpusConfig, build_corpus_dataset
 
     cfg = data.DataConfig(max_new_tokens=args.answer_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                          temperatures=tuple(args.answer_temperatures), top_p=args.answer_top_p,
                           seed=args.seed, first_prompt=args.skip_prompts)
     data.build_dataset(rt, train, args.out / "data" / "train", cfg)
     data.build_dataset(rt, held, args.out / "data" / "held_out", replace(cfg, first_prompt=0), desc="held-out data")

@@ -837,7 +837,7 @@ def test_rounds_dearer_than_the_table_says_are_priced_as_measured():
 
 
 def test_round_times_wait_for_both_kinds_and_take_the_median():
-    from specdraft.speculative.policy import ROUNDS_SEEN, RoundTimes
+    from specdraft.speculative.policy import ROUND_WINDOW, ROUNDS_SEEN, RoundTimes
 
     t = RoundTimes()
     for _ in range(ROUNDS_SEEN):
@@ -849,6 +849,10 @@ def test_round_times_wait_for_both_kinds_and_take_the_median():
         t.expect(False, 2.0)
         t.observe(2.0 * ratio)
     assert t.drafted_factor() == pytest.approx(1.5)
+    for _ in range(2 * ROUND_WINDOW):  # drafted rounds measuring cheaper than plain ones: the table stands
+        t.expect(True, 1.0)
+        t.observe(0.5)
+    assert t.drafted_factor() == 1.0
 
 
 def test_the_engine_times_every_round_it_chose_a_width_for(gemma_tiny, mtp_lookup):

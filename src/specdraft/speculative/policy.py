@@ -110,11 +110,14 @@ class RoundTimes:
 
     def drafted_factor(self) -> float:
         """What a drafted round costs against the table, relative to what a plain one does: 1 until
-        both kinds have run ROUNDS_SEEN rounds (a run that never goes plain has nothing to compare)."""
+        both kinds have run ROUNDS_SEEN rounds (a run that never goes plain has nothing to compare).
+        Never below 1: a round's time moves by tens of percent from one to the next on a shared CPU,
+        so measurements may make drafting dearer than the table says, never cheaper (a drafter
+        that never lands would be probed more often for a cheapness that is noise)."""
         plain, drafted = self.ratios
         if len(plain) < ROUNDS_SEEN or len(drafted) < ROUNDS_SEEN:
             return 1.0
-        return median(drafted) / median(plain)
+        return max(1.0, median(drafted) / median(plain))
 
 
 class AdaptivePolicy(DraftPolicy):

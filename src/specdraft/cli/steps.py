@@ -23,7 +23,8 @@ def register(sub) -> None:
     p.add_argument("--repeats", type=int, default=15, help="timed calls per cell; the median is shown (default 15)")
     p.add_argument("--breakdown", action="store_true",
                    help="also show, for each of --widths at batch 1, where a forward's time goes per op "
-                        "class (width 1: a plain step; K+1: a verification of K drafts): matrices by place with their bytes and rate, attention, norms, int8 rounding, PLE inputs, LM head, "
+                        "class (width 1: a plain step; K+1: a verification of K drafts): matrices by place with "
+                        "their bytes and rate, attention, norms, int8 rounding, PLE inputs, LM head, "
                         "and the rest (Python, dispatch); inside Gemma 4's fused layers per C op class")
     p.set_defaults(run=run)
 

@@ -35,8 +35,8 @@ MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (est
 BATCH_MARGIN = 0.10
 # The cost table times forwards alone; a round as the engine runs it also pays host work and a
 # head over real rows, and a drafted round's share of that differs from a plain one's. So rounds
-# are timed as they run, and drafted widths are priced at the measured drafted / plain ratio once
-# each kind has run this many rounds (the median of the last ROUND_WINDOW of each).
+# are timed as they run, and drafted widths are priced at the measured drafted / plain ratio (never
+# below 1) once each kind has run this many rounds (the median of the last ROUND_WINDOW of each).
 ROUNDS_SEEN = 4
 ROUND_WINDOW = 16
 # A row that drafts every round never shows what a plain round costs; where drafting's predicted
@@ -198,9 +198,9 @@ class AdaptivePolicy(DraftPolicy):
                 alive[b // block] += tokens[b] - tokens[b - 1]  # this row still unrejected there
         margin = self.margin if n == 1 else max(self.margin, self.batch_margin)
         factor = self.round_times.drafted_factor() if self.round_times is not None else 1.0
-        best_cost = self.costs.verify(n, 1, alive[:1], block)
-        plain_rate = n / best_cost
-        best, best_rate = 0, plain_rate * (1 + margin)
+        plain_cost = self.costs.verify(n, 1, alive[:1], block)
+        plain_rate = n / plain_cost
+        best, best_rate, best_cost = 0, plain_rate * (1 + margin), plain_cost
         for w in range(1, min(cap, self.width) + 1):
             draft = self.costs.draft(n, steps[w]) if steps[w] > 0 else 0.0
             cost = draft + self.costs.verify(n, widths[w] + 1, alive, block)
@@ -209,7 +209,7 @@ class AdaptivePolicy(DraftPolicy):
                 best, best_rate, best_cost = w, rate, cost
         if self.round_times is not None:
             if best > 0 and self.round_times.wants_plain() and best_rate < PROBE_PLAIN_BELOW * plain_rate:
-                best, best_cost = 0, n / plain_rate
+                best, best_cost = 0, plain_cost
             self.round_times.expect(best > 0, best_cost)
         return best
 

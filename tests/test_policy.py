@@ -22,7 +22,7 @@ from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
 from specdraft.speculative.request import Request
 from specdraft.speculative.verify import HEAD_BLOCK, SAMPLED_HEAD_BLOCK
-from specdraft.speculative.acceptance import (LEARNING_RATE, MISSES_BEFORE_BACKOFF, POOL_RATE, POOL_RELAX, RELAX, SAMPLED_LEARNING_RATE,
+from specdraft.speculative.acceptance import (LEARNING_RATE, MAX_PROBE_GAP, POOL_RATE, POOL_RELAX, RELAX, SAMPLED_LEARNING_RATE,
                                               SAMPLED_RELAX, STEADY_LEARNING_RATE, STEADY_RELAX, STEADY_SOURCES)
 from specdraft.speculative.costs import (MeasuredCosts, cost_key, cpu_identity, head_sizes, monotone, profiled_widths,
                                          row_buckets)
@@ -130,30 +130,76 @@ def _drafting_rounds(p, row, rounds: int, accept) -> int:
     return drafted
 
 
-def test_a_drafter_that_never_lands_is_probed_less_and_less(monkeypatch):
-    """Every first draft rejected: past MISSES_BEFORE_BACKOFF misses in a row the row re-probes
-    at a quarter of the steady rate; without the backoff it drafts about 2 rounds in 3."""
-    costs = FakeCosts(lambda n, w: {1: 1.0, 2: 1.07, 3: 1.16, 4: 1.24}.get(w, 1.45), lambda n, s: 0.02 * s)
+def _probe_rounds(p, row, rounds: int, accept) -> list[int]:
+    """The rounds (0-based) of `rounds` that drafted; accept(round, width) gives the accepted count."""
+    drafted = []
+    for r in range(rounds):
+        w = p.choose([row])
+        if w == 0:
+            p.observe(row, None, 0, 0)
+            continue
+        drafted.append(r)
+        p.observe(row, "mtp", w, accept(r, w), requested=w)
+    return drafted
 
-    def late_probes() -> int:
-        p = policy_for(costs, k=4)
-        row = p.new_row("mtp")
-        _drafting_rounds(p, row, 100, lambda w: 0)
-        return _drafting_rounds(p, row, 300, lambda w: 0)
 
-    backed_off = late_probes()
-    monkeypatch.setattr(acceptance, "MISSES_BEFORE_BACKOFF", 10**9)
-    assert 0 < backed_off <= 60 < 150 < late_probes()  # probed still, a quarter as often
-    monkeypatch.undo()
-    p = policy_for(costs, k=4)
+E2B_LIKE = FakeCosts(lambda n, w: {1: 1.0, 2: 1.07, 3: 1.16, 4: 1.24}.get(w, 1.45), lambda n, s: 0.02 * s)
+
+
+def test_probes_of_a_drafter_that_never_lands_back_off(monkeypatch):
+    """Every first draft rejected: after PROBE_GAPS_FROM misses in a row the gaps between probes
+    double up to MAX_PROBE_GAP (the estimates alone re-probed every few rounds: the negative control)."""
+    p = policy_for(E2B_LIKE, k=4)
     row = p.new_row("mtp")
-    _drafting_rounds(p, row, 100, lambda w: 0)
-    assert row.misses["mtp"] >= MISSES_BEFORE_BACKOFF
-    # the next accepted draft ends the streak: the row learns and relaxes at the steady rates
-    w = max(1, p.choose([row]))
-    p.observe(row, "mtp", w, 1, requested=w)
-    assert row.misses["mtp"] == 0
-    assert p.estimates._learning(row, "mtp") == (STEADY_LEARNING_RATE, STEADY_RELAX)
+    probes = _probe_rounds(p, row, 128, lambda r, w: 0)
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert gaps[:5] == [0, 1, 2, 4, 8] and set(gaps[5:]) == {MAX_PROBE_GAP}
+    assert len(probes) <= 12
+    monkeypatch.setattr(acceptance, "PROBE_GAPS_FROM", 10**9)
+    monkeypatch.setattr(acceptance, "PROBE_GAPS_FROM_LANDED", 10**9)
+    p = policy_for(E2B_LIKE, k=4)
+    assert len(_probe_rounds(p, p.new_row("mtp"), 128, lambda r, w: 0)) > 25
+
+
+def test_a_drafter_that_recovers_is_found_again_within_the_largest_gap(monkeypatch):
+    """Acceptance switches from none to every draft mid-request, at any point of a gap: the next
+    probe comes within MAX_PROBE_GAP plain rounds, its accepted draft ends the streak and the row
+    drafts every round from then on."""
+    for switch in range(40, 40 + MAX_PROBE_GAP + 1):
+        p = policy_for(E2B_LIKE, k=4)
+        row = p.new_row("mtp")
+        probes = _probe_rounds(p, row, switch + 40, lambda r, w: w if r >= switch else 0)
+        found = next(r for r in probes if r >= switch)
+        assert found - switch <= MAX_PROBE_GAP
+        assert probes[probes.index(found):] == list(range(found, switch + 40))  # then every round drafts
+        assert row.misses["mtp"] == 0
+    monkeypatch.setattr(acceptance, "MAX_PROBE_GAP", 10**9)  # the negative control: gaps without a bound
+    p = policy_for(E2B_LIKE, k=4)
+    probes = _probe_rounds(p, p.new_row("mtp"), 200, lambda r, w: w if r >= 40 else 0)
+    assert next(r for r in probes if r >= 40) - 40 > MAX_PROBE_GAP
+
+
+def test_a_drafter_that_lands_backs_off_only_after_a_longer_streak():
+    """Once the drafter landed in the request, a streak needs PROBE_GAPS_FROM_LANDED misses before
+    a gap (a steady 50% drafter misses 5 in a row in 3% of its rounds); sampled rows and prompt
+    lookups never wait."""
+    from specdraft.speculative.acceptance import PROBE_GAPS_FROM, PROBE_GAPS_FROM_LANDED
+
+    p = policy_for(FakeCosts(lambda n, w: 1.0), k=4, prior={"mtp": 0.9, "lookup": 0.9})
+    fresh, landed = p.new_row("mtp"), p.new_row("mtp")
+    p.observe(landed, "mtp", 1, 1, requested=1)
+    for misses in range(1, PROBE_GAPS_FROM_LANDED + 1):
+        for row in (fresh, landed):
+            p.observe(row, "mtp", 1, 0, requested=1)
+        assert p.estimates.waiting(fresh, "mtp") == (misses >= PROBE_GAPS_FROM)
+        assert p.estimates.waiting(landed, "mtp") == (misses >= PROBE_GAPS_FROM_LANDED)
+    assert p.choose([fresh]) == 0 and p.choose([landed]) == 0
+    sampled, lookup = p.new_row("mtp", sampled=True), p.new_row("lookup")
+    for _ in range(10):
+        p.observe(sampled, "mtp", 1, 0, chances=[0.0], requested=1)
+        p.observe(lookup, "lookup", 1, 0, requested=1)
+    assert not p.estimates.waiting(sampled, "mtp") and not p.estimates.waiting(lookup, "lookup")
+    assert p.choose([lookup]) > 0
 
 
 def test_a_drafter_accepted_half_the_time_keeps_drafting():

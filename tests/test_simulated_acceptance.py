@@ -19,6 +19,7 @@ from specdraft.runtime import Runtime
 from specdraft.speculative import acceptance
 from specdraft.speculative.engine import Engine
 from specdraft.speculative.policy import AdaptivePolicy
+from specdraft.speculative.request import Request
 from specdraft.speculative.simulation import prepare_references
 
 # What a verify of width w costs at Gemma 4 E2B size over a plain step (BENCHMARKS.md, "What a
@@ -197,21 +198,74 @@ def test_the_policy_picks_the_fastest_width_at_each_profile(name):
         assert policy.choose([row]) == 0
 
 
-def expected_speed(rt, drafter_dir, profile: str, tokens: int = 128) -> float:
-    """Plain steps' time over the time the rounds the policy chose cost, both from the policy's
-    own cost table (E2B's), for one request of `tokens` tokens through the real engine."""
-    costs, widths = TableCosts(), []
+def chosen_widths(rt, drafter_dir, profile: str, tokens: int = 128) -> list[int]:
+    """The width the adaptive policy (E2B's cost table) chose for each round of one request of
+    `tokens` tokens through the real engine with the simulated drafter."""
+    widths = []
     built = build_engine(rt, "mtp", str(drafter_dir), 8, "fixed", simulate=parse_profile(profile))
     engine = built.engine
-    engine.policy = AdaptivePolicy(costs)
+    engine.policy = AdaptivePolicy(TableCosts())
     choose = engine.policy.choose
     engine.policy.choose = lambda states: widths.append(choose(states)) or widths[-1]
     ps = prompts(rt, 1)
     prepare_references(engine, ps, tokens, eos_token_ids=[])
     out = engine.generate(ps, tokens, eos_token_ids=[])
     assert len(out[0].token_ids) == tokens
-    spent = sum(costs.draft(1, w) + costs.verify(1, w + 1) if w else costs.verify(1, 1) for w in widths)
+    return widths
+
+
+def expected_speed(rt, drafter_dir, profile: str, tokens: int = 128, drafted_round: float | None = None) -> float:
+    """Plain steps' time over the time the chosen rounds cost, for one request of `tokens` tokens
+    (chosen_widths). Rounds are priced from the policy's own cost table, or each drafted round at
+    `drafted_round` plain steps when given."""
+    costs = TableCosts()
+    widths = chosen_widths(rt, drafter_dir, profile, tokens)
+    table = [costs.draft(1, w) + costs.verify(1, w + 1) if w else costs.verify(1, 1) for w in widths]
+    spent = sum(drafted_round if w and drafted_round else c for w, c in zip(widths, table))
     return (tokens - 1) * costs.verify(1, 1) / spent  # the prefill emits the first token in both
+
+
+# What a one-draft round of E2B took in generation against a plain step, host work included
+# (BENCHMARKS.md, "The draft policy prices drafted rounds as they run"): the table says 1.07.
+E2B_PROBE = 1.25
+
+
+def test_a_zero_profile_costs_at_most_3_percent_at_what_probes_cost_in_generation(rt, drafter_dir, monkeypatch):
+    """A drafter that never lands over 128 tokens: its probes back off (acceptance.PROBE_GAPS_FROM),
+    so even priced at what a one-draft round costs in generation it loses at most 3% against
+    plain; re-probing whenever the estimate drifts back (the negative control) loses more."""
+    widths = chosen_widths(rt, drafter_dir, "zero")
+    assert 0 < sum(w > 0 for w in widths) <= 14
+    assert expected_speed(rt, drafter_dir, "zero", drafted_round=E2B_PROBE) >= 0.97
+    monkeypatch.setattr(acceptance, "PROBE_GAPS_FROM", 10**9)
+    monkeypatch.setattr(acceptance, "PROBE_GAPS_FROM_LANDED", 10**9)
+    assert sum(w > 0 for w in chosen_widths(rt, drafter_dir, "zero")) > 20
+    assert expected_speed(rt, drafter_dir, "zero", drafted_round=E2B_PROBE) < 0.97
+
+
+def test_a_drafter_that_recovers_mid_request_drafts_again_and_the_output_stays_plain(rt, drafter_dir):
+    """No draft lands for the first 60 rounds, then every one does: the engine drafts again within
+    MAX_PROBE_GAP rounds of the switch and from then on every round, and every token is plain's."""
+    ps = prompts(rt, 1)
+    built = build_engine(rt, "mtp", str(drafter_dir), 4, "fixed", simulate=parse_profile("zero"))
+    engine, widths = built.engine, []
+    engine.policy = AdaptivePolicy(TableCosts())
+    choose = engine.policy.choose
+    engine.policy.choose = lambda states: widths.append(choose(states)) or widths[-1]
+    prepare_references(engine, ps, 160, eos_token_ids=[])
+    engine.add(Request(ps[0], 160, eos_token_ids=[]))
+    done, switch = [], 60
+    while engine.has_work():
+        if len(widths) == switch:
+            engine.drafter.profile = parse_profile("1")
+        done += engine.step()
+    assert sum(widths[:switch]) <= 14  # backed off while nothing landed
+    found = next(r for r in range(switch, len(widths)) if widths[r] > 0)
+    assert found - switch <= acceptance.MAX_PROBE_GAP
+    assert all(w > 0 for w in widths[found:])
+    assert sum(done[0].stats.accepted_by_position) > 40
+    plain = Engine(rt.model, rt.tokenizer).generate(ps, 160, eos_token_ids=[])
+    assert done[0].token_ids == plain[0].token_ids and engine.drafter.diverged == 0
 
 
 @pytest.mark.parametrize("profile", ["zero", "json"])
@@ -221,8 +275,12 @@ def test_drafting_that_does_not_pay_costs_at_most_3_percent(rt, drafter_dir, pro
 
 def test_without_a_narrow_start_a_drafter_that_never_lands_costs_more(rt, drafter_dir, monkeypatch):
     """The negative control: a fresh request that drafts as wide as the prior suggests (no
-    width_cap) pays more than 3% over 128 tokens for a drafter that never lands."""
+    width_cap) loses over 128 tokens more than twice what a narrow start does for a drafter that
+    never lands (without the probes' backoff: more than 3%)."""
+    narrow = expected_speed(rt, drafter_dir, "zero")
     monkeypatch.setattr(acceptance.AcceptanceEstimates, "width_cap", lambda self, state, source: None)
+    assert 1 - expected_speed(rt, drafter_dir, "zero") > 2 * (1 - narrow)
+    monkeypatch.setattr(acceptance, "PROBE_GAPS_FROM", 10**9)
     assert expected_speed(rt, drafter_dir, "zero") < 0.97
 
 

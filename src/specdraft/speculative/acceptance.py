@@ -26,14 +26,16 @@ RELAX = 0.01  # per plain round: how far unobserved estimates move back towards 
 STEADY_LEARNING_RATE = 0.1
 STEADY_RELAX = 0.05
 STEADY_SOURCES = ("mtp", "draft")
-# A drafter whose first draft keeps failing (a mismatched or untrained one): from this many
-# rejected in a row on, a greedy row learns at LEARNING_RATE and each further miss halves how
-# fast its plain rounds drift back to the prior, down to a quarter (MAX_BACKOFF halvings), so it
-# re-probes less often instead of drafting two rounds in three at a loss. A drafter accepted 30%
-# of the time starts such a streak 1.4% of the time; its next accepted draft ends it
-# (BENCHMARKS.md, "A drafter that never lands").
-MISSES_BEFORE_BACKOFF = 12
-MAX_BACKOFF = 2
+# Rule: n >= start first drafts missed in a row -> wait min(2^(n - start), MAX_PROBE_GAP) plain rounds, greedy rows.
+# start: PROBE_GAPS_FROM, or PROBE_GAPS_FROM_LANDED once the drafter landed in the request.
+# Why: a drafter that never lands (a mismatched or untrained one) was re-probed every few
+# rounds as its estimate drifted back to the prior, each probe ~1.2x a plain step at E2B size: 3-4%
+# over 128 tokens. Doubling gaps probe it ~11 times there; a drafter that recovers (code inside
+# prose) is found again within MAX_PROBE_GAP rounds, and one accepted draft ends the streak; one
+# accepted half the time starts a gap in 3% of its rounds (BENCHMARKS.md, "Probes back off when drafts keep failing").
+PROBE_GAPS_FROM = 2
+PROBE_GAPS_FROM_LANDED = 5
+MAX_PROBE_GAP = 16
 # Sampling rows learn from each draft's acceptance chance, whose mean sits near break-even at
 # temperature 1: a short memory keeps dipping below it (BENCHMARKS.md, "Fused projections,
 # sampling-aware draft policy, long prompts").
@@ -70,6 +72,8 @@ class RowAcceptance:
         # so a server mixing temperatures keeps one pool per shaping, not one for them all.
         self.pool_key: bool | tuple = sampled if isinstance(sampled, tuple) else self.sampled
         self.misses: dict[str, int] = {}  # per source: first drafts rejected in a row
+        self.rounds = 0  # rounds the row has run
+        self.last_drafted: dict[str, int] = {}  # per source: the round (1 = the first) it last drafted in
         self.accepted: dict[str, int] = {}  # per source: drafts accepted
         self.from_prior: set[str] = set()  # sources whose estimates started from the bare prior (no pool)
         self._seen: set[tuple[int, int]] = set()  # every bigram but the last
@@ -175,6 +179,7 @@ class AcceptanceEstimates:
     def observe(self, state: RowAcceptance, source: str | None, drafted: int, accepted: int,
                 chances: list[float] | None = None, requested: int | None = None) -> None:
         """A row's round (see DraftPolicy.observe)."""
+        state.rounds += 1
         if source is None:
             self._plain_round(state)
             return
@@ -206,6 +211,7 @@ class AcceptanceEstimates:
             self._relax_unasked(state, source, requested)
         if drafted > 0:
             state.misses[source] = 0 if accepted > 0 else state.misses.get(source, 0) + 1
+            state.last_drafted[source] = state.rounds
         state.accepted[source] = state.accepted.get(source, 0) + accepted
         key = (source, state.pool_key)
         self.pool_rounds[key] = self.pool_rounds.get(key, 0) + 1
@@ -227,6 +233,15 @@ class AcceptanceEstimates:
         if source in state.from_prior or (landed == 0 and state.misses.get(source, 0) > 0):
             return 1 + landed
         return None
+
+    def waiting(self, state: RowAcceptance, source: str) -> bool:
+        """Whether a greedy row whose drafter keeps failing waits between probes (PROBE_GAPS_FROM)."""
+        start = PROBE_GAPS_FROM if state.accepted.get(source, 0) == 0 else PROBE_GAPS_FROM_LANDED
+        misses = state.misses.get(source, 0)
+        if state.sampled or source not in self.steady_sources or misses < start:
+            return False
+        gap = min(MAX_PROBE_GAP, 2 ** (misses - start))
+        return state.rounds - state.last_drafted.get(source, 0) < gap
 
     def _plain_round(self, state: RowAcceptance) -> None:
         """No evidence: drift back towards the priors so the row gets re-tried."""
@@ -263,8 +278,5 @@ class AcceptanceEstimates:
         if state.sampled:
             return SAMPLED_LEARNING_RATE, SAMPLED_RELAX
         if source in self.steady_sources:
-            streak = state.misses.get(source, 0) - MISSES_BEFORE_BACKOFF + 1
-            if streak > 0:
-                return LEARNING_RATE, STEADY_RELAX * 0.5 ** min(streak, MAX_BACKOFF)
             return STEADY_LEARNING_RATE, STEADY_RELAX
         return LEARNING_RATE, RELAX

@@ -188,6 +188,8 @@ class AdaptivePolicy(DraftPolicy):
             source = s.next_source
             tokens, drafts = self.estimates.expected(s, source)
             row_cap = self.estimates.width_cap(s, source) if self.narrow_start else None
+            if self.estimates.waiting(s, source):  # a failing drafter between probes: no drafts expected
+                tokens, drafts, row_cap = [1.0] * (self.width + 1), [0.0] * (self.width + 1), 0
             cap = max(cap, self.width if row_cap is None else row_cap)
             for w in range(self.width + 1):
                 gains[w] += tokens[w]

@@ -35,12 +35,23 @@
 #include "simd.h"
 
 #define CHUNK 128
+/* Keys ahead of the one being multiplied whose K (scores) or V (values) lines the tiles ask for:
+ * spread through the loops, these loads overlap the arithmetic; one burst for the next chunk
+ * stalled the core until it drained (a 32k context's step 1.3x slower, BENCHMARKS.md). */
+#define FETCH_AHEAD 8
 #define BLOCK_QUERIES 64 /* queries of one KV head a task serves: one load of the chunk for all of them */
 #ifdef __AVX512VL__
 #define QTILE 8 /* queries a score or value tile keeps in registers (32 of them with AVX-512VL) */
 #else
 #define QTILE 4
 #endif
+
+/* Asks for bytes [from, from + len) of a head's keys or values past `base`, clipped to the
+ * `reach` bytes that exist there (0: none): only a hint, no result changes. */
+static inline void fetch_ahead(const void *base, int64_t from, int64_t len, int64_t reach) {
+    const int64_t end = from + len < reach ? from + len : reach;
+    for (int64_t b = from & ~(int64_t)63; b < end; b += 64) _mm_prefetch((const char *)base + b, _MM_HINT_T1);
+}
 
 /* 8 keys' or values' elements at index i as float32: fp16 widens exactly. */
 static inline __m256 load8(const void *base, int64_t i, int half) {
@@ -71,9 +82,12 @@ static void score_one(const float *const *qs, int nq, const void *k, int64_t j, 
 /* Scores of NQ queries against keys [j0, j1), NK keys at a time: each key load serves NQ queries
  * and each query load NK keys. s[q * CHUNK + j]. */
 #define SCORE_TILE(NQ, NK, HALF, SUF)                                                                \
-static void scores_##NQ##SUF(const float *const *qs, const void *k, int64_t j0, int64_t j1, int64_t D, float *s) { \
+static void scores_##NQ##SUF(const float *const *qs, const void *k, int64_t j0, int64_t j1, int64_t D, float *s, \
+                             int64_t reach) {                                                        \
+    const int64_t row = D * (HALF ? 2 : 4);                                                          \
     int64_t j = j0;                                                                                  \
     for (; j + NK <= j1; j += NK) {                                                                  \
+        fetch_ahead(k, (j + FETCH_AHEAD) * row, NK * row, reach);                                    \
         __m256 a[NQ][NK];                                                                            \
         for (int q = 0; q < NQ; q++)                                                                 \
             for (int u = 0; u < NK; u++) a[q][u] = _mm256_setzero_ps();                              \
@@ -97,9 +111,12 @@ static void scores_##NQ##SUF(const float *const *qs, const void *k, int64_t j0, 
  * blocks), each output's sum kept in `out` between runs: the same chain of multiply-adds. */
 #define VALUE_RUN 16
 #define VALUE_TILE(NQ, HALF, SUF)                                                                    \
-static void values_##NQ##SUF(const float *const *p, const void *v, int64_t j0, int64_t j1, int64_t D, float *const *out) { \
+static void values_##NQ##SUF(const float *const *p, const void *v, int64_t j0, int64_t j1, int64_t D, float *const *out, \
+                             int64_t reach) {                                                        \
+    const int64_t row = D * (HALF ? 2 : 4);                                                          \
     for (int64_t r0 = j0; r0 < j1; r0 += VALUE_RUN) {                                                \
         const int64_t r1 = r0 + VALUE_RUN < j1 ? r0 + VALUE_RUN : j1;                                \
+        fetch_ahead(v, (r0 + FETCH_AHEAD) * row, (r1 - r0) * row, reach);                            \
         int64_t d0 = 0;                                                                              \
         for (; d0 + 16 <= D; d0 += 16) {                                                             \
             __m256 acc[NQ][2];                                                                       \
@@ -153,20 +170,20 @@ TILES(1, _f16)
     }
 
 static void score_tile(const float *const *qs, int nq, const void *k, int half, int64_t j0, int64_t j1, int64_t D,
-                       float *s) {
+                       float *s, int64_t reach) {
     if (half) {
-        BY_TILE(nq, scores, _f16, qs, k, j0, j1, D, s)
+        BY_TILE(nq, scores, _f16, qs, k, j0, j1, D, s, reach)
     } else {
-        BY_TILE(nq, scores, _f32, qs, k, j0, j1, D, s)
+        BY_TILE(nq, scores, _f32, qs, k, j0, j1, D, s, reach)
     }
 }
 
 static void value_tile(const float *const *p, int nq, const void *v, int half, int64_t j0, int64_t j1, int64_t D,
-                       float *const *out) {
+                       float *const *out, int64_t reach) {
     if (half) {
-        BY_TILE(nq, values, _f16, p, v, j0, j1, D, out)
+        BY_TILE(nq, values, _f16, p, v, j0, j1, D, out, reach)
     } else {
-        BY_TILE(nq, values, _f32, p, v, j0, j1, D, out)
+        BY_TILE(nq, values, _f32, p, v, j0, j1, D, out, reach)
     }
 }
 
@@ -251,9 +268,12 @@ static void seen_range(const uint8_t *const *vis, int nq, int64_t n, int64_t *j0
 }
 
 /* nq <= BLOCK_QUERIES queries over one chunk of n keys: parts[i] = [max, sum of exp, D weighted
- * values] as query i alone would get them. s: BLOCK_QUERIES * CHUNK floats. */
+ * values] as query i alone would get them. s: BLOCK_QUERIES * CHUNK floats. reach: bytes of the
+ * head's keys (and of its values) from the chunk's start that its first tile fetches ahead in (0:
+ * none; the later tiles find them in cache). */
 static void chunk_partials(const float *const *qs, const uint8_t *const *vis, const void *k, const void *v, int half,
-                           int nq, int64_t n, int64_t D, float scale, float softcap, float *s, float *const *parts) {
+                           int nq, int64_t n, int64_t D, float scale, float softcap, float *s, float *const *parts,
+                           int64_t reach) {
     int64_t j0, j1;
     seen_range(vis, nq, n, &j0, &j1);
     if (j0 == j1) {
@@ -262,7 +282,7 @@ static void chunk_partials(const float *const *qs, const uint8_t *const *vis, co
     }
     for (int q0 = 0; q0 < nq; q0 += QTILE) {
         const int m = nq - q0 < QTILE ? nq - q0 : QTILE;
-        score_tile(qs + q0, m, k, half, j0, j1, D, s + q0 * CHUNK);
+        score_tile(qs + q0, m, k, half, j0, j1, D, s + q0 * CHUNK, q0 == 0 ? reach : 0);
     }
     const float *live_p[BLOCK_QUERIES]; /* the queries that see a key of this chunk */
     float *live_out[BLOCK_QUERIES];
@@ -273,17 +293,7 @@ static void chunk_partials(const float *const *qs, const uint8_t *const *vis, co
         live_p[m] = s + q * CHUNK, live_out[m] = parts[q] + 2, m++;
     }
     for (int q0 = 0; q0 < m; q0 += QTILE)
-        value_tile(live_p + q0, m - q0 < QTILE ? m - q0 : QTILE, v, half, j0, j1, D, live_out + q0);
-}
-
-/* Asks for the next chunk's keys and values (into L2) while this one is computed: a long
- * context's chunks come from memory, and its misses otherwise stall the multiply-adds. Only a
- * hint: no result changes. */
-static void prefetch_chunk(const char *k, const char *v, int64_t bytes) {
-    for (int64_t b = 0; b < bytes; b += 64) {
-        _mm_prefetch(k + b, _MM_HINT_T1);
-        _mm_prefetch(v + b, _MM_HINT_T1);
-    }
+        value_tile(live_p + q0, m - q0 < QTILE ? m - q0 : QTILE, v, half, j0, j1, D, live_out + q0, q0 == 0 ? reach : 0);
 }
 
 #define TASK_COST 8 /* a task's work beside its keys (the mask scan, the softmax's loops), in keys */
@@ -360,13 +370,11 @@ void attend_rows_kv(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_st,
             const int nq = block_queries(q, q_sb, q_sh, q_st, mask, m_sb, m_st, b, hk, qb, group, T, j0, qs, vis,
                                          heads, times);
             for (int i = 0; i < nq; i++) part[i] = parts + (((b * H + heads[i]) * T + times[i]) * chunks + c) * (D + 2);
-            if (qb == 0 && c + 1 < chunks) /* the next chunk: its keys past S are never read, nor asked for */
-                prefetch_chunk((const char *)k + (b * k_sb + hk * k_sh + (j0 + CHUNK) * D) * el,
-                               (const char *)v + (b * v_sb + hk * v_sh + (j0 + CHUNK) * D) * el,
-                               ((S - j0 - CHUNK < CHUNK ? S - j0 - CHUNK : CHUNK)) * D * el);
+            /* the first block fetches ahead (its keys past S are never read, nor asked for); the
+             * chunk is still in cache when the next block of its queries runs */
             chunk_partials(qs, vis, (const char *)k + (b * k_sb + hk * k_sh + j0 * D) * el,
                            (const char *)v + (b * v_sb + hk * v_sh + j0 * D) * el, kv_half, nq, n, D, scale, softcap,
-                           s, part);
+                           s, part, qb == 0 ? (S - j0) * D * el : 0);
         }
         free(s);
     }
@@ -439,15 +447,11 @@ void attend_prefill(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_st,
                 nq = block_queries(q, q_sb, q_sh, q_st, mask, m_sb, m_st, b, hk, qb, group, T, j0, qs, vis, heads,
                                    times);
                 for (int i = 0; i < nq; i++) part[i] = parts + i * (D + 2);
-                if (c + 1 < chunks)
-                    prefetch_chunk((const char *)k + (b * k_sb + hk * k_sh + (j0 + CHUNK) * D) * el,
-                                   (const char *)v + (b * v_sb + hk * v_sh + (j0 + CHUNK) * D) * el,
-                                   ((S - j0 - CHUNK < CHUNK ? S - j0 - CHUNK : CHUNK)) * D * el);
                 if (c == 0)
                     for (int i = 0; i < nq; i++) run[i * (D + 2)] = -INFINITY, run[i * (D + 2) + 1] = 0.0f;
                 chunk_partials(qs, vis, (const char *)k + (b * k_sb + hk * k_sh + j0 * D) * el,
                                (const char *)v + (b * v_sb + hk * v_sh + j0 * D) * el, kv_half, nq, n, D, scale,
-                               softcap, s, part);
+                               softcap, s, part, (S - j0) * D * el);
                 for (int i = 0; i < nq; i++) {
                     float *r = run + i * (D + 2);
                     const float *pc = part[i];

@@ -46,27 +46,73 @@ class SamplingParams:
 MIN_SCALED_TEMPERATURE = 1e-30
 
 
+# top-p without top-k first looks for its nucleus among this many best tokens, then 16 times as
+# many, and sorts the whole vocabulary only where that misses (a full sort of Gemma 3's 262144
+# logits took 21 ms on a 2-core Zen 4, a top-256 0.5 ms).
+NUCLEUS_FIRST = 256
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [..., V] -> probabilities [..., V] (float32) after temperature, top-k and top-p."""
-    if params.temperature < MIN_SCALED_TEMPERATURE:
+    """logits [..., V] -> probabilities [..., V] (float32) after temperature, top-k and top-p.
+
+    top-k keeps the k best logits, ties at the k-th all kept; top-p then keeps the shortest
+    best-first prefix whose mass reaches top_p (the token crossing it included). Where no tie
+    reaches past the k-th, the k best (torch.topk, best first) are all that top-p and the
+    softmax need: k values instead of V, the same law."""
+    logits = _scaled(logits, params.temperature)
+    vocab = logits.shape[-1]
+    if params.top_k and params.top_k < vocab:
+        values, ids = torch.topk(logits, params.top_k, dim=-1)
+        if not bool(((logits >= values[..., -1:]).sum(-1) > params.top_k).any()):
+            kept = _nucleus(values, params.top_p)
+            return torch.zeros_like(logits).scatter_(-1, ids, torch.softmax(kept, dim=-1))
+        logits = logits.masked_fill(logits < values[..., -1:], float("-inf"))
+    if params.top_p < 1.0:
+        logits = _top_p(logits, params.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """float32 logits / temperature; no copy at temperature 1 (x / 1 is x, bit for bit)."""
+    if temperature < MIN_SCALED_TEMPERATURE:
         # The limit as the temperature goes to 0: the argmax, ties sharing the mass.
         logits = logits.float()
-        logits = torch.where(logits == logits.amax(-1, keepdim=True), 0.0, float("-inf"))
-    else:
-        logits = logits.float() / params.temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep the smallest prefix whose mass reaches top_p (the token crossing it included).
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= params.top_p
-        drop_sorted[..., 0] = False  # a top_p that rounds to 0 in float32 still keeps the top token
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return torch.softmax(logits, dim=-1)
+        return torch.where(logits == logits.amax(-1, keepdim=True), 0.0, float("-inf"))
+    if temperature == 1.0:
+        return logits.float()
+    return logits.float() / temperature
+
+
+def _drop_past_nucleus(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Best-first probabilities -> which to drop: those whose mass before them reaches top_p."""
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    drop = mass_before >= top_p
+    drop[..., 0] = False  # a top_p that rounds to 0 in float32 still keeps the top token
+    return drop
+
+
+def _nucleus(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Best-first logits with those past the top-p nucleus set to -inf (all kept at top_p 1)."""
+    if top_p >= 1.0:
+        return sorted_logits
+    drop = _drop_past_nucleus(torch.softmax(sorted_logits, dim=-1), top_p)
+    return sorted_logits.masked_fill(drop, float("-inf"))
+
+
+def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """logits with every token past the top-p nucleus set to -inf. The nucleus is searched among
+    the NUCLEUS_FIRST best, then 16 times as many, until the mass before the last of them reaches
+    top_p in every row (every token past it is then dropped too), the whole vocabulary last."""
+    probs = torch.softmax(logits, dim=-1)
+    vocab, n = logits.shape[-1], min(NUCLEUS_FIRST, logits.shape[-1])
+    while True:
+        order = torch.topk(logits, n, dim=-1).indices if n < vocab else torch.sort(logits, -1, descending=True).indices
+        drop_sorted = _drop_past_nucleus(probs.gather(-1, order), top_p)
+        if n == vocab or bool(drop_sorted[..., -1].all()):
+            break
+        n = min(16 * n, vocab)
+    keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, ~drop_sorted)
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | RowStreams | None) -> torch.Tensor:

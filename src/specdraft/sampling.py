@@ -63,9 +63,11 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     vocab = logits.shape[-1]
     if params.top_k and params.top_k < vocab:
         values, ids = torch.topk(logits, params.top_k, dim=-1)
-        if not bool(((logits >= values[..., -1:]).sum(-1) > params.top_k).any()):
-            kept = _nucleus(values, params.top_p)
-            return torch.zeros_like(logits).scatter_(-1, ids, torch.softmax(kept, dim=-1))
+        kept = None if bool(((logits >= values[..., -1:]).sum(-1) > params.top_k).any()) \
+            else _nucleus(values, params.top_p)
+        if kept is not None:
+            # The softmax over the whole row (-inf elsewhere): the bits of the V-wide mask's.
+            return torch.softmax(torch.full_like(logits, float("-inf")).scatter_(-1, ids, kept), dim=-1)
         logits = logits.masked_fill(logits < values[..., -1:], float("-inf"))
     if params.top_p < 1.0:
         logits = _top_p(logits, params.top_p)
@@ -91,24 +93,41 @@ def _drop_past_nucleus(sorted_probs: torch.Tensor, top_p: float) -> torch.Tensor
     return drop
 
 
-def _nucleus(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Best-first logits with those past the top-p nucleus set to -inf (all kept at top_p 1)."""
+def _nucleus(sorted_logits: torch.Tensor, top_p: float) -> torch.Tensor | None:
+    """Best-first logits with those past the top-p nucleus set to -inf (all kept at top_p 1);
+    None where a tie crosses the cut (the V-wide path then decides as a full sort does)."""
     if top_p >= 1.0:
         return sorted_logits
     drop = _drop_past_nucleus(torch.softmax(sorted_logits, dim=-1), top_p)
-    return sorted_logits.masked_fill(drop, float("-inf"))
+    return None if _tie_at_cut(sorted_logits, drop) else sorted_logits.masked_fill(drop, float("-inf"))
+
+
+def _tie_at_cut(sorted_logits: torch.Tensor, drop_sorted: torch.Tensor) -> bool:
+    """Whether in some row the last kept logit equals the first dropped one."""
+    n = sorted_logits.shape[-1]
+    kept = (~drop_sorted).sum(-1, keepdim=True)  # >= 1: the top token is always kept
+    last = sorted_logits.gather(-1, kept - 1)
+    first_out = sorted_logits.gather(-1, kept.clamp(max=n - 1))
+    return bool(((last == first_out) & (kept < n)).any())
 
 
 def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """logits with every token past the top-p nucleus set to -inf. The nucleus is searched among
     the NUCLEUS_FIRST best, then 16 times as many, until the mass before the last of them reaches
-    top_p in every row (every token past it is then dropped too), the whole vocabulary last."""
+    top_p in every row (every token past it is then dropped too), the whole vocabulary last. A
+    tie across the cut (which of equal logits is kept depends on the sort's order) goes to the
+    full sort too, so the tokens kept are those of a full sort's (bfloat16 logits tie often)."""
     probs = torch.softmax(logits, dim=-1)
     vocab, n = logits.shape[-1], min(NUCLEUS_FIRST, logits.shape[-1])
     while True:
-        order = torch.topk(logits, n, dim=-1).indices if n < vocab else torch.sort(logits, -1, descending=True).indices
+        if n < vocab:
+            best, order = torch.topk(logits, n, dim=-1)
+        else:
+            best, order = torch.sort(logits, -1, descending=True)
         drop_sorted = _drop_past_nucleus(probs.gather(-1, order), top_p)
-        if n == vocab or bool(drop_sorted[..., -1].all()):
+        if n == vocab:
+            break
+        if bool(drop_sorted[..., -1].all()) and not _tie_at_cut(best, drop_sorted):
             break
         n = min(16 * n, vocab)
     keep = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, ~drop_sorted)

@@ -120,13 +120,12 @@ def _top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     probs = torch.softmax(logits, dim=-1)
     vocab, n = logits.shape[-1], min(NUCLEUS_FIRST, logits.shape[-1])
     while True:
-        if n < vocab:
-            best, order = torch.topk(logits, n, dim=-1)
-        else:
+        if n == vocab:  # the softmax of the sorted row, as before: its sum in the sort's order
             best, order = torch.sort(logits, -1, descending=True)
-        drop_sorted = _drop_past_nucleus(probs.gather(-1, order), top_p)
-        if n == vocab:
+            drop_sorted = _drop_past_nucleus(torch.softmax(best, dim=-1), top_p)
             break
+        best, order = torch.topk(logits, n, dim=-1)
+        drop_sorted = _drop_past_nucleus(probs.gather(-1, order), top_p)
         if bool(drop_sorted[..., -1].all()) and not _tie_at_cut(best, drop_sorted):
             break
         n = min(16 * n, vocab)

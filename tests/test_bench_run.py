@@ -21,6 +21,7 @@ from specdraft.bench.runner import build_method
 from specdraft.bench.questions import PLAIN_TEMPLATE, Question, encode, read_questions, select
 from specdraft.errors import SpecdraftError
 from specdraft.sampling import SamplingParams
+from specdraft.speculative.policy import AdaptivePolicy
 
 VOCAB = 64
 SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -320,12 +321,13 @@ def test_failing_or_interrupted_run_still_writes_outputs(tiny_folder, questions_
 
 
 def test_auto_method_is_what_generate_runs(ctx):
-    """`auto` in the bench is load_drafter(auto) plus the runtime's engine policy: a model with no
-    shipped drafter decodes plainly (and says so), exactly like `generate --drafter auto`."""
+    """`auto` in the bench is load_drafter(auto) plus the adaptive policy: a model with no shipped
+    drafter runs prompt lookup (and says so), exactly like `generate --drafter auto`."""
     method = build_method("auto", ctx)
-    assert method.engine.drafter is None and method.draft_tokens == 0
+    assert method.engine.drafter.kind == "ngram" and method.draft_tokens > 0
     assert method.engine.speculate_below == ctx.rt.speculate_below
-    assert any(note.startswith("auto = none") for note in method.notes)
+    assert isinstance(method.engine.policy, AdaptivePolicy)
+    assert any(note.startswith("auto = ngram; adaptive") for note in method.notes)
     out = method.generate([[2, 5, 6, 7]], 4)
     assert out.rows[0].token_ids == build_method("plain", ctx).generate([[2, 5, 6, 7]], 4).rows[0].token_ids
 

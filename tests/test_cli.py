@@ -291,13 +291,13 @@ def test_models_lists_presets(capsys, monkeypatch, tmp_path) -> None:
     assert f"cache: {tmp_path}" in out and "gemma3-270m (default)" in out and "not converted yet" in out
 
 
-def test_default_drafter_on_a_model_folder_is_plain_decoding(capsys, model_dir) -> None:
+def test_default_drafter_on_a_model_folder_is_prompt_lookup(capsys, model_dir) -> None:
     """--drafter auto (the default) only looks for shipped drafters of presets; a model folder
-    (whose own config.json once passed for a shipped drafter) decodes plainly."""
+    (whose own config.json once passed for a shipped drafter) runs prompt lookup."""
     code, out, err = run(capsys, *base(model_dir, "--max-new-tokens", "3", "--json"))
     assert code == 0, err
     rec = json.loads(out)
-    assert rec["drafter"] == "none" and rec["draft_tokens"] == 0 and rec["new_tokens"] == 3
+    assert rec["drafter"] == "ngram" and rec["draft_tokens"] > 0 and rec["new_tokens"] == 3
 
 
 def test_batched_text_output_numbers_every_prompt(capsys, model_dir, tmp_path) -> None:
@@ -309,7 +309,7 @@ def test_batched_text_output_numbers_every_prompt(capsys, model_dir, tmp_path) -
     assert code == 0, err
     headers = [line for line in out.splitlines() if line.startswith("=== prompt")]
     assert headers == ["=== prompt 1 ===", "=== prompt 2 ===", "=== prompt 3 ==="]
-    assert err.startswith("[specdraft] 12 tokens") and "plain decoding" in err
+    assert err.startswith("[specdraft] 12 tokens") and "drafter ngram" in err
 
 
 @pytest.mark.parametrize("args,note", [
@@ -317,7 +317,6 @@ def test_batched_text_output_numbers_every_prompt(capsys, model_dir, tmp_path) -
     (["--drafter", "ngram", "--drafter-path", "x"], "--drafter-path is ignored with --drafter ngram"),
     (["--drafter", "auto", "--drafter-path", "x"], "--drafter-path is ignored with --drafter auto"),
     (["--drafter", "none", "--draft-tokens", "3"], "--draft-tokens is ignored: no drafter runs"),
-    (["--draft-tokens", "3"], "--draft-tokens is ignored: no drafter runs (--drafter auto)"),  # none ships
 ])
 def test_flags_that_do_not_apply_are_named(capsys, model_dir, args, note) -> None:
     code, out, err = run(capsys, *base(model_dir, "--max-new-tokens", "2", "--json", *args))

@@ -31,8 +31,8 @@ def test_every_kind_builds_from_its_entry(target, drafter_folder):
     paths = {"mtp": drafter_folder, "mtp+ngram": drafter_folder, "draft-model": str(target.folder)}
     for name in DRAFTER_KINDS:
         drafter, kind, k = load_drafter(target, name, paths.get(name), 3, load_runtime=Runtime.load)
-        if name == "auto":  # no drafter ships for a test model: plain decoding
-            assert (drafter, kind, k) == (None, "none", 0)
+        if name == "auto":  # no drafter ships for a test model: prompt lookup
+            assert kind == "ngram" and drafter.kind == "ngram" and k == 3
             continue
         assert kind == name
         if not KINDS[name].parts:
@@ -83,3 +83,13 @@ def test_the_engine_reads_a_drafters_source_not_its_kind(gemma_tiny):
     engine = Engine(gemma_tiny.ours, None, Renamed(), 2, policy=AdaptivePolicy(Costs()))
     engine.add(Request(torch.arange(4, 10).tolist(), 4))
     assert engine.waiting[0].acceptance.source == "lookup"
+
+
+def test_auto_runs_prompt_lookup_where_no_drafter_ships(target):
+    """`auto`: the shipped drafter with lookups where one ships (the default model), prompt lookup
+    for a preset or a folder without one (it needs no weights; a round without a match is plain)."""
+    from specdraft.drafters.kinds import resolve_auto, shipped_drafter_path
+
+    assert resolve_auto("gemma3-270m") == ("mtp+ngram", str(shipped_drafter_path("gemma3-270m")))
+    assert resolve_auto("smollm2-135m-instruct") == ("ngram", None)
+    assert resolve_auto(target.name, target.folder) == ("ngram", None)

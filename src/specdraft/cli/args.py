@@ -80,7 +80,7 @@ def add_drafter_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", default="auto", choices=DRAFTER_KINDS,
                    help="auto: mtp+ngram with the drafter shipped for this model if there is one, or for a Gemma 4 "
                         "target Google's google/gemma-4-*-it-assistant (from the Hugging Face cache, or fetched "
-                        "unless HF_HUB_OFFLINE; prompt lookup where it cannot be had), else none "
+                        "unless HF_HUB_OFFLINE), else prompt lookup (ngram) "
                         "(each round drafts only as many tokens as pay on this machine, see --draft-policy); "
                         "mtp: a Gemma-4-style MTP drafter from --drafter-path (default: the one shipped for the "
                         "model); ngram: prompt lookup (no weights); mtp+ngram: prompt lookup (up to 8 tokens, 3 "

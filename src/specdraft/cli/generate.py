@@ -86,6 +86,15 @@ def run(args) -> int:
     profile = _simulation(args, sampling)
     prompts = collect_prompts(args)
     rt = load_target(args)
+    chat = args.chat and rt.tokenizer.chat_template is not None
+    encoded = [rt.tokenizer.encode_prompt(p, chat) for p in prompts]
+    for n in map(len, encoded):  # before the policy's step timings: refuse what cannot fit first
+        if n == 0:
+            raise SpecdraftError("a prompt is empty (no tokens after tokenization)")
+        if n + args.max_new_tokens > rt.context:
+            limit = _context_limit(rt, args.max_context) if rt.context < rt.config.max_position_embeddings \
+                else f"the model's context of {rt.context} tokens"
+            raise SpecdraftError(f"prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds {limit}")
     # The adaptive policy's one-time step timings happen here, outside the speed summary.
     built = build_engine(rt, args.drafter, args.drafter_path, args.draft_tokens, args.draft_policy,
                          prepare_rows=min(args.batch_size, len(prompts)), progress=True,
@@ -96,16 +105,11 @@ def run(args) -> int:
         print(f"specdraft: note: {note}", file=sys.stderr)
     if args.chat and rt.tokenizer.chat_template is None:
         print(f"specdraft: note: {args.model} has no chat template; using plain text", file=sys.stderr)
-    chat = args.chat and rt.tokenizer.chat_template is not None
     stream = not args.json and args.batch_size == 1
     all_stats = []
     for start in range(0, len(prompts), args.batch_size):
         batch = prompts[start : start + args.batch_size]
-        ids = [rt.tokenizer.encode_prompt(p, chat) for p in batch]
-        for n in map(len, ids):  # (the engine checks the model's own context)
-            if n + args.max_new_tokens > rt.context < rt.config.max_position_embeddings:
-                raise SpecdraftError(f"prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds "
-                                     f"{_context_limit(rt, args.max_context)}")
+        ids = encoded[start : start + args.batch_size]
         on_tokens = _streamer(rt.tokenizer) if stream else None
         prepare_references(engine, ids, args.max_new_tokens, tuple(args.stop))  # simulated runs only: untimed
         t0 = time.perf_counter()

@@ -2,7 +2,7 @@
 and how it is built. The CLI's choices, the bench's methods and the loader all read this table.
 
     auto        mtp+ngram with the drafter shipped for the model, or for a Gemma 4 target Google's
-                assistant (official.py; prompt lookup where it cannot be had); none otherwise
+                assistant (official.py); prompt lookup (ngram) where no drafter can be had
     none        plain decoding
     mtp         a Gemma-4-style MTP drafter reading the target's KV cache (mtp/)
     mtp+ngram   prompt lookup where the text repeats itself, the MTP drafter elsewhere (mtp_lookup.py)
@@ -126,6 +126,10 @@ MTP_KINDS = tuple(name for name, k in KINDS.items() if "mtp" in k.parts and k.pa
 
 
 AUTO_WITH_DRAFTER = "mtp+ngram"  # what `auto` runs where a drafter ships for the model
+# Where none does: prompt lookup, which needs no weights and drafts only where the text repeats
+# itself (a round without a match is a plain step): 1.07-1.17x plain on SmolLM2-135M-Instruct
+# (BENCHMARKS.md, "A 1-layer chat drafter for SmolLM2-135M-Instruct").
+AUTO_WITHOUT_DRAFTER = "ngram"
 
 
 def resolve_auto(model_name: str, folder: Path | None = None) -> tuple[str, str | None]:
@@ -139,8 +143,9 @@ def resolve_auto(model_name: str, folder: Path | None = None) -> tuple[str, str 
 
         if assistant_id(model_name, read_config(folder), folder) is not None:
             found = find_assistant(model_name, folder)
-            return (AUTO_WITH_DRAFTER, str(found)) if found is not None else ("ngram", None)
-    return "none", None
+            if found is not None:
+                return AUTO_WITH_DRAFTER, str(found)
+    return AUTO_WITHOUT_DRAFTER, None
 
 
 def resolve_drafter_path(path: str) -> Path:

@@ -86,6 +86,8 @@ def run(args) -> int:
     profile = _simulation(args, sampling)
     prompts = collect_prompts(args)
     rt = load_target(args)
+    built = build_engine(rt, args.drafter, args.drafter_path, args.draft_tokens, args.draft_policy, progress=True,
+                         **({"simulate": profile} if profile is not None else {}))
     chat = args.chat and rt.tokenizer.chat_template is not None
     encoded = [rt.tokenizer.encode_prompt(p, chat) for p in prompts]
     for n in map(len, encoded):  # before the policy's step timings: refuse what cannot fit first
@@ -96,9 +98,7 @@ def run(args) -> int:
                 else f"the model's context of {rt.context} tokens"
             raise SpecdraftError(f"prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds {limit}")
     # The adaptive policy's one-time step timings happen here, outside the speed summary.
-    built = build_engine(rt, args.drafter, args.drafter_path, args.draft_tokens, args.draft_policy,
-                         prepare_rows=min(args.batch_size, len(prompts)), progress=True,
-                         **({"simulate": profile} if profile is not None else {}))
+    built.engine.prepare_policy(min(args.batch_size, len(prompts)))
     engine, kind, k = built.engine, built.drafter, built.draft_tokens
     simulated = profile.name if profile is not None else None
     for note in ignored_flags(args, kind):

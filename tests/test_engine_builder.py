@@ -33,11 +33,19 @@ def calls(monkeypatch) -> list[dict]:
     return seen
 
 
-def test_generate_builds_through_it(model_dir, calls, capsys):
-    code = main(["generate", "w1 w2 w3", "--model", str(model_dir), "--dtype", "float32", "--device", "cpu",
-                 "--drafter", "ngram", "--draft-tokens", "3", "--max-new-tokens", "4", "--json"])
+def test_generate_builds_through_it(model_dir, calls, capsys, monkeypatch, tmp_path):
+    """generate prepares the policy itself, after checking the prompts' lengths (as bench does)."""
+    from specdraft.speculative.engine import Engine
+
+    (tmp_path / "two.txt").write_text("w1 w2 w3\nw4 w5\n")
+    prepared, original = [], Engine.prepare_policy
+    monkeypatch.setattr(Engine, "prepare_policy", lambda self, rows: (prepared.append(rows), original(self, rows)))
+    code = main(["generate", "--prompts-file", str(tmp_path / "two.txt"), "--model", str(model_dir),
+                 "--dtype", "float32", "--device", "cpu", "--drafter", "ngram", "--draft-tokens", "3",
+                 "--max-new-tokens", "4", "--batch-size", "4", "--json"])
     assert code == 0, capsys.readouterr().err
-    assert calls == [{"drafter": "ngram", "draft_tokens": 3, "policy": "adaptive", "rows": 1}]
+    assert calls == [{"drafter": "ngram", "draft_tokens": 3, "policy": "adaptive", "rows": None}]
+    assert prepared == [2]  # the widest batch it runs: min(--batch-size, prompts)
 
 
 def test_serve_builds_through_it(model_dir, calls):

@@ -90,13 +90,7 @@ def run(args) -> int:
                          **({"simulate": profile} if profile is not None else {}))
     chat = args.chat and rt.tokenizer.chat_template is not None
     encoded = [rt.tokenizer.encode_prompt(p, chat) for p in prompts]
-    for n in map(len, encoded):  # before the policy's step timings: refuse what cannot fit first
-        if n == 0:
-            raise SpecdraftError("a prompt is empty (no tokens after tokenization)")
-        if n + args.max_new_tokens > rt.context:
-            limit = _context_limit(rt, args.max_context) if rt.context < rt.config.max_position_embeddings \
-                else f"the model's context of {rt.context} tokens"
-            raise SpecdraftError(f"prompt of {n} tokens + {args.max_new_tokens} new tokens exceeds {limit}")
+    _check_lengths(rt, encoded, args.max_new_tokens, args.max_context)
     # The adaptive policy's one-time step timings happen here, outside the speed summary.
     built.engine.prepare_policy(min(args.batch_size, len(prompts)))
     engine, kind, k = built.engine, built.drafter, built.draft_tokens
@@ -166,6 +160,19 @@ def _prefill_progress(tokens: int):
               file=sys.stderr, flush=True)
 
     return show
+
+
+def _check_lengths(rt, encoded: list[list[int]], max_new_tokens: int, max_context: int | None) -> None:
+    """Refuse a prompt that cannot fit before the policy's step timings (seconds on a real model;
+    the engine would refuse it only after them). It runs after the drafter loads, so that a bad
+    drafter flag is named first, as it was when the engine alone checked lengths."""
+    for n in map(len, encoded):
+        if n == 0:
+            raise SpecdraftError("a prompt is empty (no tokens after tokenization)")
+        if n + max_new_tokens > rt.context:
+            limit = _context_limit(rt, max_context) if rt.context < rt.config.max_position_embeddings \
+                else f"the model's context of {rt.context} tokens"
+            raise SpecdraftError(f"prompt of {n} tokens + {max_new_tokens} new tokens exceeds {limit}")
 
 
 def _context_limit(rt, asked: int | None) -> str:

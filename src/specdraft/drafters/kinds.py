@@ -127,8 +127,8 @@ MTP_KINDS = tuple(name for name, k in KINDS.items() if "mtp" in k.parts and k.pa
 
 AUTO_WITH_DRAFTER = "mtp+ngram"  # what `auto` runs where a drafter ships for the model
 # Where none does: prompt lookup, which needs no weights and drafts only where the text repeats
-# itself (a round without a match is a plain step): 1.07-1.17x plain on SmolLM2-135M-Instruct
-# (BENCHMARKS.md, "A 1-layer chat drafter for SmolLM2-135M-Instruct").
+# itself (a round without a match is a plain step): 1.19x plain on SmolLM2-135M-Instruct, never
+# below plain in a Spec-Bench category (BENCHMARKS.md, "`auto` runs prompt lookup where no drafter ships").
 AUTO_WITHOUT_DRAFTER = "ngram"
 
 

@@ -462,20 +462,61 @@ def test_verify_cost_scores_later_blocks_only_for_rows_still_unrejected(tmp_path
 
 
 def test_sampled_rounds_are_costed_in_the_sampled_blocks(tmp_path):
-    """Sampled verification scores SAMPLED_HEAD_BLOCK positions at a time (sampled_probs_blockwise):
-    the cost takes the block it is told, and the policy tells it that block once a row samples."""
+    """Sampled verification scores a block of positions at a time (sampled_probs_blockwise): the
+    cost takes the block it is told, and the policy prices each width at every block from 1 to
+    HEAD_BLOCK."""
     costs = _tabled_costs(tmp_path, {1: 1.0, 4: 2.0}, {1: 0.5, 2: 0.6, 4: 0.8})
     assert costs.verify(1, 4, [1.0, 0.25], SAMPLED_HEAD_BLOCK) == pytest.approx(2.0 + 0.6 + 0.25 * 0.6)
     blocks = []
     p = policy_for(SimpleNamespace(verify=lambda n, w, alive=None, block=None: blocks.append(block) or 1.0,
                                    draft=lambda n, steps: 0.0, ensure=lambda *a: None), k=4)
     row = p.new_row("mtp")
-    p.choose([row])
-    assert set(blocks) == {HEAD_BLOCK}
     p.observe(row, "mtp", 2, 1, [0.9, 0.3])  # a sampled round
-    blocks.clear()
     p.choose([row])
-    assert set(blocks) == {SAMPLED_HEAD_BLOCK}
+    assert set(blocks) == set(range(1, HEAD_BLOCK + 1))
+
+
+def _sampled_row(p: AdaptivePolicy, chances: list[float]):
+    row = p.new_row("mtp", sampled=True)
+    for _ in range(40):
+        p.observe(row, "mtp", len(chances), len(chances), chances)
+    return row
+
+
+def test_a_head_as_dear_for_4_rows_as_for_1_scores_a_sampled_round_in_one_call(tmp_path):
+    """A head whose table read dominates (1 to 4 rows for about one row's time, as on a Zen 4
+    with VNNI): a 4-wide sampled round is scored in one head call, where blocks of 2 paid a
+    second call whenever the first two drafts were accepted."""
+    costs = _tabled_costs(tmp_path, {1: 4.0, 2: 4.2, 3: 4.4, 4: 4.6}, {1: 4.9, 2: 4.9, 3: 5.0, 4: 5.0})
+    costs.drafts = {"": {1: [0.0, 0.1]}}
+    p = policy_for(costs, k=3, narrow_start=False)
+    row = _sampled_row(p, [0.7, 0.7, 0.7])
+    assert p.choose([row]) == 3
+    assert p.head_block() == 4
+    assert costs.verify(1, 4, [1.0, 0.49], 4) < costs.verify(1, 4, [1.0, 0.49], SAMPLED_HEAD_BLOCK)
+
+
+def test_a_head_that_costs_per_row_scores_a_sampled_round_in_smaller_blocks(tmp_path):
+    """A head that costs about 4 ms more per row (BENCHMARKS.md: a 2-core AVX2 CPU, 11.9 to 24.8 ms
+    for 1 to 4 rows) and first drafts accepted half the time: a 4-wide round scores fewer rows
+    first, the rest only for the rows that reach them."""
+    costs = _tabled_costs(tmp_path, {1: 10.0, 4: 11.0}, {1: 11.9, 2: 16.0, 3: 20.1, 4: 24.8})
+    costs.drafts = {"": {1: [0.0, 0.01]}}
+    p = policy_for(costs, k=3, narrow_start=False)
+    row = _sampled_row(p, [0.5, 0.9, 0.9])
+    w = p.choose([row])
+    assert w >= 2 and p.head_block() < w + 1
+    tokens = p.expected_tokens(row)
+    alive = [1.0] + [tokens[i] - tokens[i - 1] for i in range(1, 4)]  # about 1, 0.5, 0.45, 0.4
+    seconds = {b: costs.verify(1, w + 1, alive[::b], b) for b in range(1, HEAD_BLOCK + 1)}
+    assert p.head_block() == min(seconds, key=lambda b: (seconds[b], -b))
+
+
+def test_a_plain_round_has_no_head_block_and_the_fixed_policy_keeps_the_defaults(tmp_path):
+    costs = _tabled_costs(tmp_path, {1: 1.0, 4: 9.0}, {1: 1.0, 4: 1.0})
+    p = policy_for(costs, k=3, prior={"mtp": 0.05})
+    assert p.choose([p.new_row("mtp")]) == 0 and p.head_block() is None
+    assert FixedPolicy(3).head_block() is None
 
 
 def test_cheap_rejections_make_long_lookups_pay(tmp_path):

@@ -12,7 +12,7 @@ from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_dr
 from specdraft.sampling import SamplingParams
 from specdraft.speculative.acceptance import AcceptanceEstimates, RowAcceptance
 from specdraft.speculative.engine import Engine
-from specdraft.speculative.policy import AdaptivePolicy
+from specdraft.speculative.policy import AdaptivePolicy, FixedPolicy
 
 HOT, WARM = SamplingParams(1.0).shaping, SamplingParams(0.7, top_p=0.95).shaping
 
@@ -76,3 +76,37 @@ def test_the_engine_files_sampled_rows_under_their_shaping(gemma_tiny, tmp_path)
     engine.generate(prompts, 12, SamplingParams(0.7, top_p=0.95, seed=1), eos_token_ids=[])
     engine.generate(prompts, 12, eos_token_ids=[])
     assert set(policy.pooled) == {("mtp", (0.7, 0, 0.95)), ("mtp", False)}
+
+
+class BlockPolicy(FixedPolicy):
+    """Every round K drafts, verified `block` positions per head call (the adaptive policy's
+    head_block, here fixed)."""
+
+    def __init__(self, width: int, block: int | None):
+        super().__init__(width)
+        self.block = block
+
+    def head_block(self) -> int | None:
+        return self.block
+
+
+def test_the_policys_head_block_changes_the_head_calls_never_the_tokens(gemma_tiny, tmp_path, monkeypatch):
+    """Sampled rounds verified 1, 2, 3 or 4 positions per head call emit the same tokens (the head
+    scores each row on its own); blocks of 1 call the head more often than one block of 4."""
+    model, vocab = gemma_tiny.ours, gemma_tiny.cfg.vocab_size
+    prompts = prompts_of([9, 14], vocab, seed=5)
+    cfg = drafter_config_for(model, hidden=32, layers=2, heads=4, head="target", clustered=True,
+                             num_centroids=16, top_k_clusters=4)
+    save_network(init_network(cfg, model, seed=5, std=0.1), tmp_path / "d")
+    drafter = load_mtp_drafter(tmp_path / "d", model, torch.float32, "cpu")
+    calls, logits = [], model.logits
+    monkeypatch.setattr(model, "logits", lambda rows: calls.append(rows.shape[0]) or logits(rows))
+    outputs, counts = {}, {}
+    for block in (1, 2, 3, 4, None):
+        calls.clear()
+        engine = Engine(model, None, drafter, 3, policy=BlockPolicy(3, block))
+        results = engine.generate(prompts, 16, SamplingParams(1.0, seed=2), eos_token_ids=[])
+        outputs[block], counts[block] = [r.token_ids for r in results], len(calls)
+        accepted = sum(sum(r.stats.accepted_by_position) for r in results)
+    assert all(out == outputs[4] for out in outputs.values())
+    assert accepted > 0 and counts[1] > counts[2] >= counts[4]

@@ -386,7 +386,8 @@ class Engine:
         kk = draft.tokens.shape[1]
         with timer.phase("verify"):
             out = self.model(torch.cat([last[:, None], draft.tokens], dim=1), cache)
-            accepted, nxt, chances = verify_rows(self.model, out, draft, rows)
+            block = self.policy.head_block() if kk else None  # positions per head call: the cheapest here
+            accepted, nxt, chances = verify_rows(self.model, out, draft, rows, block)
         with timer.phase("other"):
             # Accept: write b's successors d1..dn, t into the history; the cache keeps b and d1..dn.
             steps = torch.arange(kk + 1, device=self.device)

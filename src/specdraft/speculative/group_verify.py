@@ -35,48 +35,51 @@ def draft_sampling(rows: list[ActiveRow]) -> tuple[SamplingParams, torch.Generat
     return group.params, [r.group.generator for r in rows]
 
 
-def verify_rows(model: torch.nn.Module, hidden: torch.Tensor, draft: Draft, rows: list[ActiveRow]):
+def verify_rows(model: torch.nn.Module, hidden: torch.Tensor, draft: Draft, rows: list[ActiveRow],
+                block: int | None = None):
     """(accepted count, next token, acceptance chances) per row from the target's hidden
     states [B, K+1, H]: greedy rows together, each sampling group with its own parameters and
     random stream. Chances [B, K] (the probability each draft had of being accepted, for the
-    draft policy) are None when every row is greedy, NaN on greedy rows otherwise."""
+    draft policy) are None when every row is greedy, NaN on greedy rows otherwise. `block`: the
+    positions scored per head call (the draft policy's head_block; None: HEAD_BLOCK for greedy
+    rows, SAMPLED_HEAD_BLOCK for sampled ones); it changes what the round costs, never its verdicts."""
     groups: dict[int, list[int]] = {}
     for i, r in enumerate(rows):
         groups.setdefault(0 if r.group.params.greedy else id(r.group), []).append(i)
     if len(groups) == 1:
-        return _verify_group(model, hidden, draft.tokens, draft.num_valid, draft.probs, rows[0].group)
+        return _verify_group(model, hidden, draft.tokens, draft.num_valid, draft.probs, rows[0].group, block=block)
     device = hidden.device
     accepted = torch.empty(len(rows), dtype=torch.long, device=device)
     nxt = torch.empty_like(accepted)
     chances = torch.full(draft.tokens.shape, float("nan"), device=device)
     sampled = [idx for key, idx in groups.items() if key != 0]
-    first = _first_blocks(model, hidden, draft, groups.get(0, []), sampled)
+    first = _first_blocks(model, hidden, draft, groups.get(0, []), sampled, block)
     for key, idx in groups.items():
         at = torch.tensor(idx, device=device)
         probs = draft.probs[at] if draft.probs is not None else None
         accepted[at], nxt[at], chance = _verify_group(model, hidden[at], draft.tokens[at], draft.num_valid[at],
-                                                      probs, rows[idx[0]].group, first.get(idx[0]))
+                                                      probs, rows[idx[0]].group, first.get(idx[0]), block)
         if chance is not None:
             chances[at, : chance.shape[1]] = chance
     return accepted, nxt, chances
 
 
 def _first_blocks(model: torch.nn.Module, hidden: torch.Tensor, draft: Draft, greedy: list[int],
-                  sampled: list[list[int]]) -> dict[int, torch.Tensor]:
+                  sampled: list[list[int]], block: int | None = None) -> dict[int, torch.Tensor]:
     """For a round with several groups to verify (a server's requests: greedy ones together,
     each sampled one a group), each group's first block from one head call, keyed by its
     first row: the greedy rows' tokens [rows, positions], each sampling group's logits [rows,
     positions, V]. Scored group by group, the head's table was read once per group and round
     (4 passes for 4 sampled requests where one does). A group gets the positions its own
-    verification scores first (HEAD_BLOCK for greedy rows; SAMPLED_HEAD_BLOCK, fewer for
-    fewer drafts, for sampled ones), and the head scores each row on its own, so they are the
-    tokens and logits it would get alone."""
-    greedy_span = min(HEAD_BLOCK, hidden.shape[1]) if greedy else 0
+    verification scores first (`block`, or by default HEAD_BLOCK for greedy rows and
+    SAMPLED_HEAD_BLOCK for sampled ones; fewer for fewer drafts), and the head scores each row on
+    its own, so they are the tokens and logits it would get alone."""
+    greedy_span = min(block or HEAD_BLOCK, hidden.shape[1]) if greedy else 0
     pairs = [(i, j) for i in greedy for j in range(greedy_span)]
     spans = []
     for idx in sampled:
         width = int(draft.num_valid[idx].max()) if draft.tokens.shape[1] else 0
-        spans.append(min(SAMPLED_HEAD_BLOCK, width + 1))
+        spans.append(min(block or SAMPLED_HEAD_BLOCK, width + 1))
         pairs += [(i, j) for i in idx for j in range(spans[-1])]
     rows, positions = (torch.tensor(x, device=hidden.device) for x in zip(*pairs))
     tokens, logits = model.head_outputs(hidden[rows, positions], len(greedy) * greedy_span)
@@ -86,11 +89,12 @@ def _first_blocks(model: torch.nn.Module, hidden: torch.Tensor, draft: Draft, gr
 
 
 def _verify_group(model: torch.nn.Module, hidden, drafts, num_valid, q, group: SamplingGroup,
-                  first: torch.Tensor | None = None):
+                  first: torch.Tensor | None = None, block: int | None = None):
     """`first`: the group's first block (greedy: tokens, sampled: logits) when it was computed
-    with other groups'."""
+    with other groups'; `block`: as verify_rows'."""
     if group.params.greedy:  # only the argmax matters: no V-wide float32 logits
-        return *verify_greedy_blockwise(model.greedy_tokens, hidden, drafts, num_valid, first=first), None
+        return *verify_greedy_blockwise(model.greedy_tokens, hidden, drafts, num_valid, block or HEAD_BLOCK,
+                                        first=first), None
     # Only the group's own drafts: its random draws then never depend on the round's width.
     width = int(num_valid.max()) if drafts.shape[1] else 0
     q = q[:, :width] if q is not None else None
@@ -99,6 +103,7 @@ def _verify_group(model: torch.nn.Module, hidden, drafts, num_valid, q, group: S
     if first is not None:
         first = probabilities(first, group.params)
     probs = sampled_probs_blockwise(lambda rows: probabilities(model.logits(rows), group.params),
-                                    hidden[:, : width + 1], drafts, q, num_valid, uniforms, first=first)
+                                    hidden[:, : width + 1], drafts, q, num_valid, uniforms,
+                                    block or SAMPLED_HEAD_BLOCK, first=first)
     accepted, nxt = verify_sampling(probs, drafts, q, num_valid, group.generator, uniforms)
     return accepted, nxt, acceptance_chances(probs, drafts, q, num_valid)

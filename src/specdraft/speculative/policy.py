@@ -17,6 +17,7 @@ The choice reads only past tokens and counts, so greedy output and sampling stay
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from statistics import median
 
@@ -25,7 +26,7 @@ import torch
 from specdraft.drafters.base import Drafter
 from specdraft.speculative.acceptance import STEADY_SOURCES, AcceptanceEstimates, RowAcceptance
 from specdraft.speculative.profiling import by_confidence, first_rows, profile_tokens  # noqa: F401 (bench/steps.py)
-from specdraft.speculative.verify import HEAD_BLOCK, SAMPLED_HEAD_BLOCK
+from specdraft.speculative.verify import HEAD_BLOCK
 
 DRAFT_POLICIES = ("adaptive", "fixed")  # --draft-policy: AdaptivePolicy, FixedPolicy
 MARGIN = 0.03  # speculate only when it beats a plain step by this fraction (estimates are noisy)
@@ -64,6 +65,12 @@ class DraftPolicy:
     def choose(self, states: list) -> int:
         """The round's width W for these decoding rows' states: 0 = a plain step."""
         raise NotImplementedError
+
+    def head_block(self) -> int | None:
+        """How many positions verification scores per head call in the round `choose` last chose
+        (None: verify.py's defaults). Any block gives the same verdicts (the head scores each row
+        on its own); it only changes how often the head's table is read."""
+        return None
 
     def observe_round(self, seconds: float) -> None:
         """The wall time of the round `choose` last chose a width for, as the engine ran it."""
@@ -135,6 +142,7 @@ class AdaptivePolicy(DraftPolicy):
         self.narrow_start = narrow_start
         self.round_times = RoundTimes() if timed_rounds else None
         self.estimates = AcceptanceEstimates(prior, steady_sources)
+        self._block: int | None = None  # the head block of the round `choose` last chose (head_block)
 
     @property
     def prior(self) -> dict[str, float | tuple[float, ...]]:
@@ -179,10 +187,9 @@ class AdaptivePolicy(DraftPolicy):
         gains = [0.0] * (self.width + 1)
         widths = [0.0] * (self.width + 1)  # the round's verify width: its widest row's expected drafts
         steps = [0.0] * (self.width + 1)  # drafter steps: until its last row stops
-        # Expected rows whose drafts before each block of head positions were all accepted: only
-        # those rows' positions reach the head (verify_greedy_blockwise, sampled_probs_blockwise).
-        block = SAMPLED_HEAD_BLOCK if any(s.sampled for s in states) else HEAD_BLOCK
-        alive = [float(n)] + [0.0] * (self.width // block)
+        # Expected rows whose drafts before each position were all accepted: only those rows'
+        # positions reach the head (verify_greedy_blockwise, sampled_probs_blockwise).
+        alive = [float(n)] + [0.0] * self.width
         cap = 0  # the widest any row may ask: rows whose drafter is unproven start narrow (width_cap)
         for s in states:
             source = s.next_source
@@ -196,24 +203,44 @@ class AdaptivePolicy(DraftPolicy):
                 widths[w] = max(widths[w], drafts[w])
                 if source != "lookup":  # when every row looks up, the drafter itself does not run
                     steps[w] = max(steps[w], min(drafts[w], self.k))
-            for b in range(block, self.width + 1, block):
-                alive[b // block] += tokens[b] - tokens[b - 1]  # this row still unrejected there
+            for i in range(1, self.width + 1):
+                alive[i] += tokens[i] - tokens[i - 1]  # this row still unrejected at position i
         margin = self.margin if n == 1 else max(self.margin, self.batch_margin)
         factor = self.round_times.drafted_factor() if self.round_times is not None else 1.0
-        plain_cost = self.costs.verify(n, 1, alive[:1], block)
+        plain_cost = self.costs.verify(n, 1, alive[:1], 1)
         plain_rate = n / plain_cost
-        best, best_rate, best_cost = 0, plain_rate * (1 + margin), plain_cost
+        best, best_rate, best_cost, self._block = 0, plain_rate * (1 + margin), plain_cost, None
         for w in range(1, min(cap, self.width) + 1):
             draft = self.costs.draft(n, steps[w]) if steps[w] > 0 else 0.0
-            cost = draft + self.costs.verify(n, widths[w] + 1, alive, block)
+            verify, block = self._verify_cost(n, widths[w] + 1, alive)
+            cost = draft + verify
             rate = gains[w] / (cost * factor)
             if rate > best_rate:
-                best, best_rate, best_cost = w, rate, cost
+                best, best_rate, best_cost, self._block = w, rate, cost, block
         if self.round_times is not None:
             if best > 0 and self.round_times.wants_plain() and best_rate < PROBE_PLAIN_BELOW * plain_rate:
                 best, best_cost = 0, plain_cost
             self.round_times.expect(best > 0, best_cost)
         return best
+
+    def _verify_cost(self, n: int, w: float, alive: list[float]) -> tuple[float, int]:
+        """(seconds, head block) of the cheapest way to verify w positions for n rows, `alive[i]`
+        of them expected to reach position i: for each block of 1 to HEAD_BLOCK positions (the
+        largest the cost table times the head for), the forward plus a head call per block for
+        the rows that reach its first position. Where the head costs about the same for 1 to 4
+        rows, one call for every position beats a second call at the acceptance of sampling's
+        first drafts; where each row costs more (BENCHMARKS.md: a 2-core AVX2 CPU, 11.9 ms for
+        one row, 24.8 for 4) a round that mostly ends early pays for fewer rows. Ties go to the
+        larger block."""
+        best = None
+        for block in range(min(HEAD_BLOCK, math.ceil(w)), 0, -1):
+            seconds = self.costs.verify(n, w, alive[::block], block)
+            if best is None or seconds < best[0]:
+                best = (seconds, block)
+        return best
+
+    def head_block(self) -> int | None:
+        return self._block
 
     def observe_round(self, seconds: float) -> None:
         if self.round_times is not None:

@@ -185,6 +185,28 @@ static inline __m512i six_step(__m512i nib, __m512i two, int j)
     return _mm512_or_si512(n, _mm512_and_si512(t, top));
 }
 
+/* From FETCH_ROWS rows a tile asks for the lines the next block of outputs will read at the same
+ * step as it reads its own (into L2; into L1 it read slower). With several rows' multiply-adds
+ * a line the hardware prefetcher alone fell behind: E2B's 4-token verify read its matrices at 24
+ * GB/s where a step read 31, and fetching ahead made it 1.1-1.3x faster (BENCHMARKS.md). At one
+ * row it made a step slower, and so it did below blocks of FETCH_MIN_BLOCK bytes (Gemma 3 270M's
+ * 5-8 KB blocks, 0.97x): there the hardware prefetcher keeps up on its own. */
+#define FETCH_ROWS 2
+#define FETCH_MIN_BLOCK 8192
+#define FETCH_NEXT(LAYOUT, codes, K, g, steps, st)                                                    \
+    do {                                                                                            \
+        if (LAYOUT == Q8_SIXBITS) {                                                                 \
+            const char *next = (const char *)(codes + 12 * K + (g * steps + st) / 4 * SIX_QUAD);     \
+            _mm_prefetch(next, _MM_HINT_T1), _mm_prefetch(next + 64, _MM_HINT_T1);                  \
+            _mm_prefetch(next + 128, _MM_HINT_T1);                                                  \
+        } else if (LAYOUT == Q8_NIBBLES) {                                                          \
+            _mm_prefetch((const char *)(codes + 8 * K + (g * steps + st) * 32), _MM_HINT_T1);      \
+        } else {                                                                                    \
+            _mm_prefetch((const char *)(codes + 16 * K + (g * steps + st) * 64), _MM_HINT_T1);     \
+            _mm_prefetch((const char *)(codes + 16 * K + (g * steps + st + 1) * 64), _MM_HINT_T1); \
+        }                                                                                           \
+    } while (0)
+
 /* One block of 16 outputs against MB rows. Up to 4 rows, two int32 sums per row (even and odd
  * steps) keep enough dependency chains in flight; from 5 rows one per row does, in fewer
  * registers. Integer sums are exact, so the chains change no bit, and a group's epilogue is the
@@ -197,6 +219,8 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const void *s, int s
     __m512 acc[MB];                                                                                 \
     for (int r = 0; r < MB; r++) acc[r] = _mm512_setzero_ps();                                     \
     const int64_t groups = K / G, steps = G / 4, pass = LAYOUT == Q8_SIXBITS ? 4 : 2;               \
+    const int64_t block = LAYOUT == Q8_SIXBITS ? 12 * K : LAYOUT == Q8_NIBBLES ? 8 * K : 16 * K;    \
+    const int fetch = MB >= FETCH_ROWS && block >= FETCH_MIN_BLOCK;                                 \
     for (int64_t g = 0; g < groups; g++) {                                                          \
         __m512i sum0[MB], sum1[MB];                                                                 \
         for (int r = 0; r < MB; r++) sum0[r] = sum1[r] = _mm512_setzero_si512();                    \
@@ -218,6 +242,7 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const void *s, int s
                 w[0] = _mm512_loadu_si512(codes + (g * steps + st) * 64);                           \
                 w[1] = _mm512_loadu_si512(codes + (g * steps + st + 1) * 64);                       \
             }                                                                                       \
+            if (fetch) FETCH_NEXT(LAYOUT, codes, K, g, steps, st);                                  \
             for (int p = 0; p < pass; p += 2)                                                       \
                 for (int r = 0; r < MB; r++) {                                                      \
                     const int8_t *qr = q + (m0 + r) * K + k + 4 * p;                                \
@@ -440,9 +465,10 @@ void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t 
                  int64_t N, int64_t K, int64_t G, int threads)
 {
     /* Each thread reads its blocks as one contiguous stream. The AVX-512 loop reads each line
-     * once and the hardware prefetcher keeps up: fetching the next block ahead (or 4-16 lines
-     * ahead) read the same or slower on a 2-core Zen 4 (20 matrices of 4096 x 640 codes, 22 GB/s
-     * at one row). The AVX2 loop reads each line in two passes and fetches ahead (PREFETCH_NEXT). */
+     * once; at one row the hardware prefetcher keeps up (fetching the next block ahead, or 4-16
+     * lines ahead, read the same or slower on a 2-core Zen 4), from 2 rows the tiles fetch the
+     * next block ahead (FETCH_NEXT). The AVX2 loop reads each line in two passes and fetches
+     * ahead (PREFETCH_NEXT). */
     const int smode = (layout & Q8_TWO_LEVEL) ? SCALES_TWO_LEVEL : (layout & Q8_HALF_SCALES) ? SCALES_F16 : SCALES_F32;
     layout &= Q8_LAYOUT_MASK;
     const int64_t block_bytes = layout == Q8_NIBBLES ? K * OUT_BLOCK / 2

@@ -168,7 +168,7 @@ static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a
 int64_t gemma4_layer_scratch(const Gemma4Weights *L, int64_t M, int64_t span_len) {
     const int64_t H = L->hidden, qd = L->heads * L->head_dim, kvd = L->kv_heads * L->head_dim;
     const int64_t widest = max3(H, qd, L->inter > L->ple ? L->inter : L->ple);
-    return M * (3 * qd + 2 * kvd + 6 * H + 4 * L->inter + 3 * L->ple) + attend_work(M, L->heads, 1, span_len, L->head_dim)
+    return M * (3 * qd + 2 * kvd + 6 * H + 2 * L->inter + 2 * L->ple) + attend_work(M, L->heads, 1, span_len, L->head_dim)
            + Q8_SCRATCH(M, widest) + 64;
 }
 
@@ -178,8 +178,8 @@ void gemma4_layer(const Gemma4Weights *L, const LayerStep *S, const float *x, co
     const int64_t M = S->B * S->T, H = L->hidden, D = L->head_dim, qd = L->heads * D, kvd = L->kv_heads * D;
     const int64_t I = L->inter, P = L->ple;
     float *h = scratch, *q = h + M * H, *k = q + M * qd, *v = k + M * kvd, *qr = v + M * kvd, *att = qr + M * qd;
-    float *a = att + M * qd, *x_mid = a + M * H, *gu = x_mid + M * H, *g = gu + 2 * M * I, *u = g + M * I;
-    float *d = u + M * I, *x_mlp = d + M * H, *pg = x_mlp + M * H, *pm = pg + 2 * M * P, *pp = pm + M * P;
+    float *a = att + M * qd, *x_mid = a + M * H, *g = x_mid + M * H, *u = g + M * I;
+    float *d = u + M * I, *x_mlp = d + M * H, *pg = x_mlp + M * H, *pm = pg + M * P, *pp = pm + M * P;
     float *work = pp + M * H;
     float *rows = work + attend_work(M, L->heads, 1, S->span_len, D);
     const int shared = L->k.weights == 0;
@@ -207,25 +207,13 @@ void gemma4_layer(const Gemma4Weights *L, const LayerStep *S, const float *x, co
         const int64_t N[2] = {I, I};
         linears(W, y, N, 2, h, M, H, rows, threads, T_MLP_MATRICES);
     }
-    TIMED(T_ACT, {
-        for (int64_t m = 0; m < M; m++) { /* gated_act takes [gate | up] rows */
-            memcpy(gu + m * 2 * I, g + m * I, I * sizeof(float));
-            memcpy(gu + m * 2 * I + I, u + m * I, I * sizeof(float));
-        }
-        gated_act(gu, M, I, L->act, g, threads);
-    });
+    TIMED(T_ACT, gated_act_rows(g, I, u, I, M, I, L->act, g, threads)); /* in place: each element on its own */
     linear1(&L->down, d, H, g, M, I, rows, threads, T_MLP_MATRICES);
     float *y = P ? x_mlp : out;
     TIMED(T_NORMS, rms_norm_rows(d, L->norm_post_mlp, x_mid, y, M, H, L->eps, threads));
     if (P) {
         linear1(&L->ple_gate, pg, P, x_mlp, M, H, rows, threads, T_PLE_MATRICES);
-        TIMED(T_ACT, {
-            for (int64_t m = M - 1; m >= 0; m--) { /* [gate | per-layer input] rows, back to front in place */
-                memmove(pg + m * 2 * P, pg + m * P, P * sizeof(float));
-                memcpy(pg + m * 2 * P + P, ple + m * ple_stride, P * sizeof(float));
-            }
-            gated_act(pg, M, P, L->act, pm, threads);
-        });
+        TIMED(T_ACT, gated_act_rows(pg, P, ple, ple_stride, M, P, L->act, pm, threads));
         linear1(&L->ple_proj, pp, H, pm, M, P, rows, threads, T_PLE_MATRICES);
         TIMED(T_NORMS, rms_norm_rows(pp, L->norm_ple, x_mlp, out, M, H, L->eps, threads));
     }

@@ -35,5 +35,7 @@ void attend_rows_kv(const float *q, int64_t q_sb, int64_t q_sh, int64_t q_st,
                     float scale, float softcap, float *work, int threads);
 int64_t attend_work(int64_t B, int64_t H, int64_t T, int64_t S, int64_t D);
 void gated_act(const float *gate_up, int64_t M, int64_t I, int kind, float *out, int threads);
+void gated_act_rows(const float *gate, int64_t gate_stride, const float *up, int64_t up_stride, int64_t M, int64_t I,
+                    int kind, float *out, int threads);
 
 #endif

@@ -431,8 +431,8 @@ def test_negative_control_biased_verifier_is_detected(target, drafters, monkeypa
     residual norm(max(P - Q, 0)) (a classic bug) must be caught."""
     real = group_verify.verify_sampling
 
-    def resamples_from_p(target_probs, drafts, draft_probs, num_valid, generator, uniforms=None):
-        n, _ = real(target_probs, drafts, draft_probs, num_valid, generator, uniforms)
+    def resamples_from_p(target_probs, drafts, draft_probs, num_valid, generator, uniforms=None, likelihoods=None):
+        n, _ = real(target_probs, drafts, draft_probs, num_valid, generator, uniforms, likelihoods)
         rows = torch.arange(drafts.shape[0])
         return n, torch.multinomial(target_probs[rows, n], 1, generator=generator).squeeze(1)
 
@@ -681,9 +681,10 @@ class _AcceptWithP(SparseProbs):
 def test_negative_control_adaptive_widths_accept_with_p_is_detected(target, drafters, monkeypatch) -> None:
     real = group_verify.verify_sampling
 
-    def accepts_with_p(target_probs, drafts, draft_probs, num_valid, generator, uniforms=None):
+    def accepts_with_p(target_probs, drafts, draft_probs, num_valid, generator, uniforms=None, likelihoods=None):
         if draft_probs is not None:  # None: a plain round (no drafts)
             draft_probs = _AcceptWithP(draft_probs.ids, draft_probs.probs, draft_probs.vocab)
+        # the caller's likelihoods are the true Q's: left out, so the biased one is read
         return real(target_probs, drafts, draft_probs, num_valid, generator, uniforms)
 
     monkeypatch.setattr(group_verify, "verify_sampling", accepts_with_p)

@@ -14,7 +14,8 @@ from specdraft.sampling import RowStreams, SamplingParams, probabilities
 from specdraft.speculative.request import SamplingGroup
 from specdraft.speculative.rows import ActiveRow
 from specdraft.speculative.verify import (HEAD_BLOCK, SAMPLED_HEAD_BLOCK, acceptance_chances, acceptance_uniforms,
-                                          sampled_probs_blockwise, verify_greedy_blockwise, verify_sampling)
+                                          draft_likelihoods, sampled_probs_blockwise, verify_greedy_blockwise,
+                                          verify_sampling)
 
 GREEDY = SamplingParams()
 
@@ -105,5 +106,6 @@ def _verify_group(model: torch.nn.Module, hidden, drafts, num_valid, q, group: S
     probs = sampled_probs_blockwise(lambda rows: probabilities(model.logits(rows), group.params),
                                     hidden[:, : width + 1], drafts, q, num_valid, uniforms,
                                     block or SAMPLED_HEAD_BLOCK, first=first)
-    accepted, nxt = verify_sampling(probs, drafts, q, num_valid, group.generator, uniforms)
-    return accepted, nxt, acceptance_chances(probs, drafts, q, num_valid)
+    likelihoods = draft_likelihoods(probs, drafts, q)  # P and Q at the drafts, read by both
+    accepted, nxt = verify_sampling(probs, drafts, q, num_valid, group.generator, uniforms, likelihoods)
+    return accepted, nxt, acceptance_chances(probs, drafts, q, num_valid, likelihoods)

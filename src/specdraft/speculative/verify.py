@@ -86,6 +86,7 @@ def verify_sampling(
     num_valid: torch.Tensor,
     generator: torch.Generator | None,
     uniforms: torch.Tensor | None = None,
+    likelihoods: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
 
@@ -97,10 +98,12 @@ def verify_sampling(
     [B, K+1, V], or fewer positions where no row can reach the rest (sampled_probs_blockwise: a
     missing P_i reads as zeros, so its draft is never accepted). `uniforms` [B, K]: the
     acceptance draws, if the caller drew them already (sampled_probs_blockwise needs them first);
-    by default they are drawn here, the first thing taken from `generator`.
+    by default they are drawn here, the first thing taken from `generator`. `likelihoods`:
+    draft_likelihoods(target_probs, drafts, draft_probs), if the caller has it (acceptance_chances
+    reads it too).
     """
     b, k = drafts.shape
-    p_draft, q_draft = _draft_likelihoods(target_probs, drafts, draft_probs)
+    p_draft, q_draft = likelihoods or draft_likelihoods(target_probs, drafts, draft_probs)
     r = acceptance_uniforms(b, k, generator, drafts.device) if uniforms is None else uniforms
     n = _accepted_prefix(_accepts(p_draft, q_draft, r, _valid(num_valid, k)))
 
@@ -186,7 +189,7 @@ def sampled_probs_blockwise(probs_of: Callable[[torch.Tensor], torch.Tensor], hi
         blocks.append((alive, start, probs))
         if stop > k:
             break
-        p_draft, q_draft = _draft_likelihoods(probs, drafts[alive, start:stop],
+        p_draft, q_draft = draft_likelihoods(probs, drafts[alive, start:stop],
                                               _positions(draft_probs, alive, start, stop))
         accepted = _accepts(p_draft, q_draft, uniforms[alive, start:stop], valid[alive, start:stop])
         alive = alive[accepted.all(dim=1)]
@@ -214,7 +217,7 @@ def _positions(draft_probs: torch.Tensor | SparseProbs | None, rows: torch.Tenso
     return draft_probs[rows][:, start:stop] if isinstance(draft_probs, SparseProbs) else draft_probs[rows, start:stop]
 
 
-def _draft_likelihoods(target_probs: torch.Tensor, drafts: torch.Tensor,
+def draft_likelihoods(target_probs: torch.Tensor, drafts: torch.Tensor,
                        draft_probs: torch.Tensor | SparseProbs | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(P_i(d_i+1), Q_i(d_i+1)) [B, K] each; Q is 1 for point-mass (argmax or lookup) drafts. P given
     for fewer than K positions (sampled_probs_blockwise) reads 0 past them."""
@@ -231,7 +234,8 @@ def _draft_likelihoods(target_probs: torch.Tensor, drafts: torch.Tensor,
 
 
 def acceptance_chances(target_probs: torch.Tensor, drafts: torch.Tensor,
-                       draft_probs: torch.Tensor | SparseProbs | None, num_valid: torch.Tensor) -> torch.Tensor:
+                       draft_probs: torch.Tensor | SparseProbs | None, num_valid: torch.Tensor,
+                       likelihoods: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """[B, K]: min(1, P_i(d)/Q_i(d)), the probability with which `verify_sampling` accepts each
     draft once the drafts before it were accepted (0 past a row's valid drafts).
 
@@ -239,7 +243,8 @@ def acceptance_chances(target_probs: torch.Tensor, drafts: torch.Tensor,
     the draft policy reads chances only up to the first rejected draft.
     Its mean over rounds is the acceptance rate without the coin flip's variance, which is what an
     adaptive draft length should learn from at temperature > 0. Reading it never changes what is
-    emitted: it is a function of this round's P and Q, and only later rounds' widths depend on it."""
-    p_draft, q_draft = _draft_likelihoods(target_probs, drafts, draft_probs)
+    emitted: it is a function of this round's P and Q, and only later rounds' widths depend on it.
+    `likelihoods`: as verify_sampling's."""
+    p_draft, q_draft = likelihoods or draft_likelihoods(target_probs, drafts, draft_probs)
     chance = torch.where(q_draft > 0, p_draft / q_draft.clamp(min=torch.finfo(q_draft.dtype).tiny), 0.0)
     return chance.clamp(max=1.0) * _valid(num_valid, drafts.shape[1])

@@ -8,6 +8,7 @@ speculative decoding (token for token).
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -395,3 +396,50 @@ def test_a_draft_step_in_one_c_call_gives_the_modules_bits(tmp_path: Path, monke
     calls.clear()
     spec = Engine(model, drafter=drafter, draft_tokens=3).generate(prompts, 16, eos_token_ids=[])
     assert calls and [r.token_ids for r in spec] == [r.token_ids for r in plain]
+
+
+@kernel
+def test_a_drafter_weight_written_between_rounds_reaches_the_one_call_step(tmp_path: Path, monkeypatch) -> None:
+    """The one-call draft step keeps its view of the drafter's weights across rounds: a norm's
+    weight written in place (or a projection replaced) between rounds gives the next round the
+    modules' new bits, not the kept view's old ones."""
+    from dataclasses import replace
+
+    from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+    from specdraft.drafters.mtp.drafter import layer_contexts
+    from specdraft.runtime import Runtime
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    rt = Runtime.load(str(write_quantised_gguf(tmp_path / "tiny.gguf", "Q8_0")), dtype="float32", weights="gguf-q8",
+                      progress=False)
+    model = rt.model
+    cfg = drafter_config_for(model, hidden=64, layers=2, head="target", clustered=True, num_centroids=16,
+                             top_k_clusters=4)
+    save_network(init_network(cfg, model, seed=3, std=0.2), tmp_path / "d")
+    drafter = load_mtp_drafter(tmp_path / "d", model, torch.float32, "cpu")
+    net, gen, vocab = drafter.net, torch.Generator().manual_seed(0), model.config.vocab_size
+    tokens, state = torch.randint(0, vocab, (2,), generator=gen), torch.randn(2, model.config.hidden_size, generator=gen)
+    with torch.inference_mode():
+        cache = model.new_cache(2, 8)
+        model(torch.randint(0, vocab, (2, 6), generator=gen), cache)
+
+    def one_round() -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.inference_mode():
+            contexts = layer_contexts(drafter.sources, cache.k, cache.v, torch.full((2, 1), 5), torch.float32)
+            fused = net.draft_step(model, tokens, state, contexts)
+            z, _ = net.step(model.embed(tokens[:, None]), state[:, None], contexts)
+        assert fused.centroid_scores is not None  # the one-call path ran
+        return fused.z, z[:, 0]
+
+    before, modules = one_round()
+    assert torch.equal(before, modules)
+    with torch.no_grad():
+        net.model.layers[1].post_feedforward_layernorm.weight.mul_(1.5)
+    after, modules = one_round()
+    assert torch.equal(after, modules) and not torch.equal(after, before)
+    net.model.layers[0].mlp.down_proj = copy.deepcopy(net.model.layers[0].mlp.down_proj)
+    with torch.no_grad():
+        for t in [*net.model.layers[0].mlp.down_proj.parameters(), *net.model.layers[0].mlp.down_proj.buffers()]:
+            t.zero_()
+    replaced, modules = one_round()
+    assert torch.equal(replaced, modules) and not torch.equal(replaced, after)

@@ -41,7 +41,11 @@ def layer_contexts(sources: list[AttentionLayout], keys: list[torch.Tensor], val
     T = 1 (q = p). Spans are shared between drafter layers that read the same target layer.
     `cache`: the cache the keys come from, where some slots keep a ring (kv_cache.py).
     """
-    lowest, end = (int(x) for x in torch.stack([positions.min(), positions.max() + 1]).tolist())
+    if positions.numel() <= HOST_COLUMNS_ROWS:  # a round's few rows: one host read, not four ops
+        flat = positions.flatten().tolist()
+        lowest, end = min(flat), max(flat) + 1
+    else:
+        lowest, end = (int(x) for x in torch.stack([positions.min(), positions.max() + 1]).tolist())
     built: dict[int, LayerContext] = {}
     out = []
     for src in sources:

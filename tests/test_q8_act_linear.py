@@ -300,24 +300,31 @@ def test_int8_blocks_round_each_weight_to_the_nearest_code() -> None:
     assert Q8ActLinear.takes(blocks)
 
 
+def _gguf_q8_target_and_drafter(tmp_path: Path, monkeypatch):
+    """A tiny Q8_0 GGUF target under --weights gguf-q8 and a 2-layer clustered MTP drafter for it."""
+    from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
+    from specdraft.runtime import Runtime
+
+    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
+    rt = Runtime.load(str(write_quantised_gguf(tmp_path / "tiny.gguf", "Q8_0")), dtype="float32", weights="gguf-q8",
+                      progress=False)
+    cfg = drafter_config_for(rt.model, hidden=64, layers=2, head="target", clustered=True, num_centroids=16,
+                             top_k_clusters=4)
+    save_network(init_network(cfg, rt.model, seed=3, std=0.2), tmp_path / "d")
+    return rt, load_mtp_drafter(tmp_path / "d", rt.model, torch.float32, "cpu")
+
+
 @kernel
 def test_an_mtp_drafter_next_to_gguf_q8_reads_int8_weights_and_speculation_is_exact(tmp_path: Path,
                                                                                     monkeypatch) -> None:
     """Next to --weights gguf-q8 the drafter's linears are int8 blocks too (a draft step reads
     ~half of fp16's bytes); its steps stay near the float32 drafter's, and output equals plain."""
-    from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, load_network, save_network
+    from specdraft.drafters.mtp import load_network
     from specdraft.drafters.mtp.drafter import layer_contexts
-    from specdraft.runtime import Runtime
     from specdraft.speculative.engine import Engine
 
-    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
-    rt = Runtime.load(str(write_quantised_gguf(tmp_path / "tiny.gguf", "Q8_0")), dtype="float32", weights="gguf-q8",
-                      progress=False)
+    rt, drafter = _gguf_q8_target_and_drafter(tmp_path, monkeypatch)
     model = rt.model
-    cfg = drafter_config_for(model, hidden=64, layers=2, head="target", clustered=True, num_centroids=16,
-                             top_k_clusters=4)
-    save_network(init_network(cfg, model, seed=3, std=0.2), tmp_path / "d")
-    drafter = load_mtp_drafter(tmp_path / "d", model, torch.float32, "cpu")
     int8 = [n for n, m in drafter.net.named_modules() if type(m) is Q8ActLinear]
     assert {"pre_projection", "post_projection", "masked_embedding.centroids",
             "model.layers.0.mlp.gate_up_proj", "model.layers.1.self_attn.q_proj"} <= set(int8)
@@ -403,20 +410,10 @@ def test_a_drafter_weight_written_between_rounds_reaches_the_one_call_step(tmp_p
     """The one-call draft step keeps its view of the drafter's weights across rounds: a norm's
     weight written in place (or a projection replaced) between rounds gives the next round the
     modules' new bits, not the kept view's old ones."""
-    from dataclasses import replace
-
-    from specdraft.drafters.mtp import drafter_config_for, init_network, load_mtp_drafter, save_network
     from specdraft.drafters.mtp.drafter import layer_contexts
-    from specdraft.runtime import Runtime
 
-    monkeypatch.setenv("SPECDRAFT_CACHE", str(tmp_path / "cache"))
-    rt = Runtime.load(str(write_quantised_gguf(tmp_path / "tiny.gguf", "Q8_0")), dtype="float32", weights="gguf-q8",
-                      progress=False)
+    rt, drafter = _gguf_q8_target_and_drafter(tmp_path, monkeypatch)
     model = rt.model
-    cfg = drafter_config_for(model, hidden=64, layers=2, head="target", clustered=True, num_centroids=16,
-                             top_k_clusters=4)
-    save_network(init_network(cfg, model, seed=3, std=0.2), tmp_path / "d")
-    drafter = load_mtp_drafter(tmp_path / "d", model, torch.float32, "cpu")
     net, gen, vocab = drafter.net, torch.Generator().manual_seed(0), model.config.vocab_size
     tokens, state = torch.randint(0, vocab, (2,), generator=gen), torch.randn(2, model.config.hidden_size, generator=gen)
     with torch.inference_mode():

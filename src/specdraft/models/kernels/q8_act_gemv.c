@@ -172,6 +172,25 @@ void q8_act_quantize(const float *x, int64_t M, int64_t K, int64_t G, int8_t *q,
     }
 }
 
+/* Asks for the lines the next block of 16 outputs reads at step st of group g (its codes lie 16 K
+ * bytes further on, 8 K for nibbles, 12 K for six bits; a six-bit quad's 3 lines at its first
+ * step pair). Only a hint: past the last block a prefetch of unmapped memory is dropped, never
+ * faults. The AVX-512 loop asks into L2 from FETCH_ROWS rows, the AVX2 loop into L1 always. */
+#define FETCH_NEXT_BLOCK(LAYOUT, codes, K, g, steps, st, HINT)                                        \
+    do {                                                                                            \
+        if (LAYOUT == Q8_SIXBITS) {                                                                 \
+            if (st % 4 == 0) {                                                                      \
+                const char *next = (const char *)(codes + 12 * K + (g * steps + st) / 4 * SIX_QUAD); \
+                _mm_prefetch(next, HINT), _mm_prefetch(next + 64, HINT), _mm_prefetch(next + 128, HINT); \
+            }                                                                                       \
+        } else if (LAYOUT == Q8_NIBBLES) {                                                          \
+            _mm_prefetch((const char *)(codes + 8 * K + (g * steps + st) * 32), HINT);             \
+        } else {                                                                                    \
+            _mm_prefetch((const char *)(codes + 16 * K + (g * steps + st) * 64), HINT);            \
+            _mm_prefetch((const char *)(codes + 16 * K + (g * steps + st + 1) * 64), HINT);        \
+        }                                                                                           \
+    } while (0)
+
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 static inline __m512i bcast4(const int8_t *q) { return _mm512_set1_epi32(*(const int32_t *)q); }
 
@@ -193,19 +212,6 @@ static inline __m512i six_step(__m512i nib, __m512i two, int j)
  * 5-8 KB blocks, 0.97x): there the hardware prefetcher keeps up on its own. */
 #define FETCH_ROWS 2
 #define FETCH_MIN_BLOCK 8192
-#define FETCH_NEXT(LAYOUT, codes, K, g, steps, st)                                                    \
-    do {                                                                                            \
-        if (LAYOUT == Q8_SIXBITS) {                                                                 \
-            const char *next = (const char *)(codes + 12 * K + (g * steps + st) / 4 * SIX_QUAD);     \
-            _mm_prefetch(next, _MM_HINT_T1), _mm_prefetch(next + 64, _MM_HINT_T1);                  \
-            _mm_prefetch(next + 128, _MM_HINT_T1);                                                  \
-        } else if (LAYOUT == Q8_NIBBLES) {                                                          \
-            _mm_prefetch((const char *)(codes + 8 * K + (g * steps + st) * 32), _MM_HINT_T1);      \
-        } else {                                                                                    \
-            _mm_prefetch((const char *)(codes + 16 * K + (g * steps + st) * 64), _MM_HINT_T1);     \
-            _mm_prefetch((const char *)(codes + 16 * K + (g * steps + st + 1) * 64), _MM_HINT_T1); \
-        }                                                                                           \
-    } while (0)
 
 /* One block of 16 outputs against MB rows. Up to 4 rows, two int32 sums per row (even and odd
  * steps) keep enough dependency chains in flight; from 5 rows one per row does, in fewer
@@ -242,7 +248,7 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const void *s, int s
                 w[0] = _mm512_loadu_si512(codes + (g * steps + st) * 64);                           \
                 w[1] = _mm512_loadu_si512(codes + (g * steps + st + 1) * 64);                       \
             }                                                                                       \
-            if (fetch) FETCH_NEXT(LAYOUT, codes, K, g, steps, st);                                  \
+            if (fetch) FETCH_NEXT_BLOCK(LAYOUT, codes, K, g, steps, st, _MM_HINT_T1);               \
             for (int p = 0; p < pass; p += 2)                                                       \
                 for (int r = 0; r < MB; r++) {                                                      \
                     const int8_t *qr = q + (m0 + r) * K + k + 4 * p;                                \
@@ -323,23 +329,7 @@ static inline __m256i bcast4(const int8_t *q) { return _mm256_set1_epi32(*(const
  * change alone, alternated in one process (BENCHMARKS.md): the prefetch 1.19x on the head at 1
  * row on Zen 1 and 1.02-1.16x on Zen 3's head and layers at 1-8 rows; groups outermost a further
  * 1.06-1.18x on Zen 3's head and 1.05-1.20x on its layers at 1-64 rows. The next block's lines are
- * the same step's, 16 K (bytes) or 8 K (nibbles) further on; past the last block a prefetch of
- * unmapped memory is dropped, never faults. */
-#define PREFETCH_NEXT(LAYOUT, codes, K, g, steps, st)                                                 \
-    do {                                                                                            \
-        if (LAYOUT == Q8_SIXBITS) { /* a quad's 3 lines, fetched at its first step pair */          \
-            if (st % 4 == 0) {                                                                      \
-                const char *next = (const char *)(codes + 12 * K + (g * steps + st) / 4 * SIX_QUAD); \
-                _mm_prefetch(next, _MM_HINT_T0), _mm_prefetch(next + 64, _MM_HINT_T0);              \
-                _mm_prefetch(next + 128, _MM_HINT_T0);                                              \
-            }                                                                                       \
-        } else if (LAYOUT == Q8_NIBBLES) {                                                          \
-            _mm_prefetch((const char *)(codes + 8 * K + (g * steps + st) * 32), _MM_HINT_T0);      \
-        } else {                                                                                    \
-            _mm_prefetch((const char *)(codes + 16 * K + (g * steps + st) * 64), _MM_HINT_T0);     \
-            _mm_prefetch((const char *)(codes + 16 * K + (g * steps + st + 1) * 64), _MM_HINT_T0); \
-        }                                                                                           \
-    } while (0)
+ * the same step's (FETCH_NEXT_BLOCK). */
 
 /* Six-bit codes, 32 of a half's lanes: step j of a quad from its nibble and its 2 bits. */
 static inline __m256i six_step8(__m256i nib, __m256i two, int j)
@@ -367,8 +357,8 @@ static void NAME##_##MB(const uint8_t *codes, int32_t base, const void *s, int s
                 for (int64_t c = 0; c < run; c++) {                                                 \
                     const int64_t st = st0 + 2 * c, k = g * G + 4 * st;                             \
                     __m256i w0, w1;                                                                 \
-                    if (h >= (MB <= 2 ? 0 : 1)) /* see PREFETCH_NEXT */                             \
-                        PREFETCH_NEXT(LAYOUT, codes, K, g, steps, st);                              \
+                    if (h >= (MB <= 2 ? 0 : 1)) /* see "Memory order" above */                      \
+                        FETCH_NEXT_BLOCK(LAYOUT, codes, K, g, steps, st, _MM_HINT_T0);              \
                     if (LAYOUT == Q8_SIXBITS) { /* step pair st / 2 % 2 of its quad */               \
                         const uint8_t *at = codes + (g * steps + st) / 4 * SIX_QUAD + 32 * h;      \
                         const int j = (int)(st % 4);                                                \
@@ -467,8 +457,8 @@ void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t 
     /* Each thread reads its blocks as one contiguous stream. The AVX-512 loop reads each line
      * once; at one row the hardware prefetcher keeps up (fetching the next block ahead, or 4-16
      * lines ahead, read the same or slower on a 2-core Zen 4), from 2 rows the tiles fetch the
-     * next block ahead (FETCH_NEXT). The AVX2 loop reads each line in two passes and fetches
-     * ahead (PREFETCH_NEXT). */
+     * next block ahead (FETCH_NEXT_BLOCK). The AVX2 loop reads each line in two passes and
+     * fetches ahead always. */
     const int smode = (layout & Q8_TWO_LEVEL) ? SCALES_TWO_LEVEL : (layout & Q8_HALF_SCALES) ? SCALES_F16 : SCALES_F32;
     layout &= Q8_LAYOUT_MASK;
     const int64_t block_bytes = layout == Q8_NIBBLES ? K * OUT_BLOCK / 2

@@ -22,8 +22,8 @@ from specdraft.sampling import SamplingParams
 from specdraft.speculative.engine import Engine
 from specdraft.speculative.request import Request
 from specdraft.speculative.verify import HEAD_BLOCK, SAMPLED_HEAD_BLOCK
-from specdraft.speculative.acceptance import (LEARNING_RATE, MAX_PROBE_GAP, POOL_RATE, POOL_RELAX, RELAX, SAMPLED_LEARNING_RATE,
-                                              SAMPLED_RELAX, STEADY_LEARNING_RATE, STEADY_RELAX, STEADY_SOURCES)
+from specdraft.speculative.acceptance import (LEARNING_RATE, LOOKUP_GAPS_FROM, LOOKUP_MAX_GAP, MAX_PROBE_GAP, POOL_RATE,
+                                              POOL_RELAX, RELAX, SAMPLED_LEARNING_RATE, SAMPLED_RELAX, STEADY_LEARNING_RATE, STEADY_RELAX, STEADY_SOURCES)
 from specdraft.speculative.costs import (MeasuredCosts, cost_key, cpu_identity, head_sizes, monotone, profiled_widths,
                                          row_buckets)
 from specdraft.speculative import acceptance
@@ -130,7 +130,7 @@ def _drafting_rounds(p, row, rounds: int, accept) -> int:
     return drafted
 
 
-def _probe_rounds(p, row, rounds: int, accept) -> list[int]:
+def _probe_rounds(p, row, rounds: int, accept, source: str = "mtp") -> list[int]:
     """The rounds (0-based) of `rounds` that drafted; accept(round, width) gives the accepted count."""
     drafted = []
     for r in range(rounds):
@@ -139,7 +139,7 @@ def _probe_rounds(p, row, rounds: int, accept) -> list[int]:
             p.observe(row, None, 0, 0)
             continue
         drafted.append(r)
-        p.observe(row, "mtp", w, accept(r, w), requested=w)
+        p.observe(row, source, w, accept(r, w), requested=w)
     return drafted
 
 
@@ -181,8 +181,8 @@ def test_a_drafter_that_recovers_is_found_again_within_the_largest_gap(monkeypat
 
 def test_a_drafter_that_lands_backs_off_only_after_a_longer_streak():
     """Once the drafter landed in the request, a streak needs PROBE_GAPS_FROM_LANDED misses before
-    a gap (a steady 50% drafter misses 5 in a row in 3% of its rounds); sampled rows and prompt
-    lookups never wait."""
+    a gap (a steady 50% drafter misses 5 in a row in 3% of its rounds); sampled rows never wait,
+    prompt lookups only after LOOKUP_GAPS_FROM misses in a row."""
     from specdraft.speculative.acceptance import PROBE_GAPS_FROM, PROBE_GAPS_FROM_LANDED
 
     p = policy_for(FakeCosts(lambda n, w: 1.0), k=4, prior={"mtp": 0.9, "lookup": 0.9})
@@ -194,12 +194,43 @@ def test_a_drafter_that_lands_backs_off_only_after_a_longer_streak():
         assert p.estimates.waiting(fresh, "mtp") == (misses >= PROBE_GAPS_FROM)
         assert p.estimates.waiting(landed, "mtp") == (misses >= PROBE_GAPS_FROM_LANDED)
     assert p.choose([fresh]) == 0 and p.choose([landed]) == 0
-    sampled, lookup = p.new_row("mtp", sampled=True), p.new_row("lookup")
+    sampled = p.new_row("mtp", sampled=True)
     for _ in range(10):
         p.observe(sampled, "mtp", 1, 0, chances=[0.0], requested=1)
+    assert not p.estimates.waiting(sampled, "mtp")
+    lookup = p.new_row("lookup")
+    for misses in range(1, LOOKUP_GAPS_FROM + 1):
         p.observe(lookup, "lookup", 1, 0, requested=1)
-    assert not p.estimates.waiting(sampled, "mtp") and not p.estimates.waiting(lookup, "lookup")
-    assert p.choose([lookup]) > 0
+        assert p.estimates.waiting(lookup, "lookup") == (misses >= LOOKUP_GAPS_FROM)
+
+
+# Where a 2-wide verify costs next to nothing in the table, the estimates alone keep probing a
+# lookup that always misses (its rate drifts back to a prior of 0.8 between probes).
+CHEAP_VERIFY = FakeCosts(lambda n, w: {1: 1.0, 2: 1.01, 3: 1.05, 4: 1.1}.get(w, 1.3), lambda n, s: 0.02 * s)
+
+
+def test_prompt_lookups_that_keep_missing_back_off(monkeypatch):
+    """Every lookup draft rejected over 96 rounds: after LOOKUP_GAPS_FROM misses in a row the gaps
+    between probes double up to LOOKUP_MAX_GAP (without the gaps: a probe in most rounds)."""
+    p = policy_for(CHEAP_VERIFY, k=4)
+    probes = _probe_rounds(p, p.new_row("lookup"), 96, lambda r, w: 0, source="lookup")
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]
+    assert max(gaps) == LOOKUP_MAX_GAP and len(probes) <= 96 // LOOKUP_MAX_GAP + 8
+    monkeypatch.setattr(acceptance, "LOOKUP_GAPS_FROM", 10**9)
+    p = policy_for(CHEAP_VERIFY, k=4)
+    assert len(_probe_rounds(p, p.new_row("lookup"), 96, lambda r, w: 0, source="lookup")) > 30
+
+
+def test_a_lookup_that_lands_again_is_found_within_its_largest_gap():
+    """Lookups miss for a while, then copy a stretch: the next probe comes within LOOKUP_MAX_GAP
+    rounds and the row drafts every round from then on."""
+    for switch in range(30, 30 + LOOKUP_MAX_GAP + 1):
+        p = policy_for(CHEAP_VERIFY, k=4)
+        row = p.new_row("lookup")
+        probes = _probe_rounds(p, row, switch + 30, lambda r, w: w if r >= switch else 0, source="lookup")
+        found = next(r for r in probes if r >= switch)
+        assert found - switch <= LOOKUP_MAX_GAP
+        assert probes[probes.index(found):] == list(range(found, switch + 30))
 
 
 def test_a_drafter_accepted_half_the_time_keeps_drafting():

@@ -332,6 +332,25 @@ def test_mtp_with_lookup_chooses_per_row(gemma_tiny, drafter_factory) -> None:
     assert wide.tokens[0, :8].tolist() == [5, 6, 7, 8, 9, 10, 11, 3]
 
 
+def test_mtp_with_lookup_leaves_marked_rows_to_the_mtp_drafter(gemma_tiny, drafter_factory) -> None:
+    """A row marked in DraftInput.no_lookup gets the MTP drafter's drafts although its lookup
+    matches, and its match does not widen the round; unmarked rows are as before (the control)."""
+    target = gemma_tiny.ours
+    mtp = drafter_factory("mtp-clustered-target", [])
+    inp = two_rows_input(target)
+    alone = mtp.propose(inp, 3, SamplingParams(), None)
+    both = MTPWithLookup(mtp)
+    inp.no_lookup = torch.tensor([True, False])
+    draft = both.propose(inp, 3, SamplingParams(), None)
+    assert draft.tokens.shape == (2, 3) and draft.num_valid.tolist() == [3, 3]
+    assert torch.equal(draft.tokens, alone.tokens) and draft.lookup.tolist() == [False, False]
+    assert both.row_rounds == {"lookup": 0, "mtp": 2}
+    inp.no_lookup = torch.tensor([False, True])  # the row without a match: nothing changes
+    draft = both.propose(inp, 3, SamplingParams(), None)
+    assert draft.num_valid.tolist() == [8, 3] and draft.lookup.tolist() == [True, False]
+    assert draft.tokens[0].tolist() == [5, 6, 7, 8, 9, 10, 11, 3]
+
+
 def test_unsure_drafts_copy_what_followed_the_current_token_before(gemma_tiny, drafter_factory) -> None:
     """copy_below 1: every greedy draft whose token occurred earlier in the row's text (drafts
     included) is what followed it there last time; elsewhere the drafter's own pick."""

@@ -233,6 +233,46 @@ def test_a_lookup_that_lands_again_is_found_within_its_largest_gap():
         assert probes[probes.index(found):] == list(range(found, switch + 30))
 
 
+def _mixed_rounds(p, row, rounds: int) -> list[tuple[str | None, int]]:
+    """mtp+ngram as the engine runs it, for a row whose lookup always matches and always misses
+    while its MTP drafts all land: per round (the source that drafted or None, the width)."""
+    out = []
+    for _ in range(rounds):
+        w = p.choose([row])
+        if w == 0:
+            p.observe(row, None, 0, 0)
+            out.append((None, 0))
+            continue
+        source = row.source if p.skips_lookup(row) else row.next_source  # what the drafter does (DraftInput.no_lookup)
+        p.observe(row, source, w, w if source == "mtp" else 0, requested=w)
+        out.append((source, w))
+    return out
+
+
+def test_a_row_whose_lookups_keep_missing_drafts_with_mtp_while_they_wait(monkeypatch):
+    """mtp+ngram: the row's last two tokens keep matching a lookup that is always rejected, while
+    its MTP drafts land. While the lookup waits between probes the row drafts with the MTP drafter,
+    priced and learnt as MTP (no wider than K; the lookup's misses untouched), so no round runs
+    plain, and the lookups back off as a lookup drafter's do. The negative control: the lookup
+    waits but the row is not handed to MTP, and those rounds run plain."""
+    def run():
+        p = policy_for(CHEAP_VERIFY, k=2, width=8)
+        row = p.new_row("mtp", lookups=True, prompt=[5, 6, 7, 5, 6])
+        assert row.next_source == "lookup"
+        return row, _mixed_rounds(p, row, 64)
+
+    row, rounds = run()
+    sources = [s for s, _ in rounds]
+    lookups = [i for i, s in enumerate(sources) if s == "lookup"]
+    assert None not in sources and lookups[:LOOKUP_GAPS_FROM] == list(range(LOOKUP_GAPS_FROM))
+    assert len(lookups) <= 64 // LOOKUP_MAX_GAP + 4 and max(b - a - 1 for a, b in zip(lookups, lookups[1:])) == LOOKUP_MAX_GAP
+    assert all(w <= 2 for s, w in rounds if s == "mtp") and row.accepted["mtp"] > 0
+    assert row.misses["lookup"] == len(lookups) and row.last_drafted["lookup"] == lookups[-1] + 1
+    monkeypatch.setattr(acceptance.AcceptanceEstimates, "skips_lookup", lambda self, state: False)
+    _, rounds = run()
+    assert [s for s, _ in rounds].count(None) > 20 and "mtp" not in [s for s, _ in rounds]
+
+
 def test_a_drafter_accepted_half_the_time_keeps_drafting():
     costs = FakeCosts(lambda n, w: {1: 1.0, 2: 1.07, 3: 1.16, 4: 1.24}.get(w, 1.45), lambda n, s: 0.02 * s)
     p = policy_for(costs, k=4)
@@ -677,6 +717,38 @@ def test_adaptive_engine_emits_plain_greedy_tokens(b, name, gemma_tiny, mtp_look
     # The policy did choose: rounds of different widths, drafts verified in some of them.
     assert len(set(widths)) > 1 and max(widths) > 0
     assert sum(r.stats.drafted for r in results) > 0
+
+
+@pytest.mark.parametrize("b", [1, 3])
+def test_rows_whose_lookups_wait_draft_with_mtp_and_emit_plain_greedy_tokens(b, gemma_tiny):
+    """Prompts that repeat themselves, so lookups keep matching, and a target that does not
+    follow them: lookups miss and back off, and in the rounds they wait the engine hands the rows
+    to the drafter behind them (an oracle here, so its drafts land; DraftInput.no_lookup). Those
+    rounds are observed as the drafter's, and the tokens are plain greedy decoding's."""
+    model, vocab = gemma_tiny.ours, gemma_tiny.cfg.vocab_size
+    prompts = [p * 4 for p in prompts_of([3, 4, 5][:b], vocab, seed=11)]
+    max_new = 96
+    plain = [r.token_ids for r in Engine(model).generate(prompts, max_new, eos_token_ids=[])]
+    oracle = OracleDrafter([list(p) + o for p, o in zip(prompts, plain)])
+    oracle.recommended_k = 2
+    marked, sources = [], []
+
+    class Spy(AdaptivePolicy):
+        def skips_lookup(self, state) -> bool:
+            marked.append(super().skips_lookup(state))
+            return marked[-1]
+
+        def observe(self, state, source, *args, **kw) -> None:
+            if source is not None and self.estimates.skips_lookup(state):
+                sources.append(source)
+            super().observe(state, source, *args, **kw)
+
+    policy = Spy(CHEAP_VERIFY, prior={"mtp": 0.6, "lookup": 0.8})
+    drafter = MTPWithLookup(oracle, lookup_tokens=6)
+    results = Engine(model, None, drafter, 2, policy=policy).generate(prompts, max_new, eos_token_ids=[])
+    assert [r.token_ids for r in results] == plain
+    assert sum(marked) > 0 and len(sources) == sum(marked) and set(sources) == {"mtp"}
+    assert drafter.row_rounds["lookup"] > 0
 
 
 def test_adaptive_engine_never_drafts_when_it_cannot_pay(gemma_tiny, mtp_lookup):

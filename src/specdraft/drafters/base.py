@@ -33,6 +33,10 @@ class DraftInput:
     cache: KVCache
     tokens: torch.Tensor  # [B, capacity]
     active: torch.Tensor  # [B] bool: rows still generating
+    # [B] bool: rows whose drafts must not be prompt lookups this round (the draft policy's: their
+    # lookups keep missing while the drafter's drafts land); None: no such row. Read by drafters
+    # that mix lookups in (mtp+ngram); a drafter of lookups alone never gets a row marked.
+    no_lookup: torch.Tensor | None = None
 
 
 @dataclass

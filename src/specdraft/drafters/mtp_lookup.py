@@ -4,12 +4,14 @@ Small models repeat themselves (lists, templates, loops) and copy from their pro
 lookup predicts those stretches for free and further ahead than the MTP drafter's K; the MTP
 drafter covers the rest. Per row and round: if the sequence's last `min_match` or more tokens
 occurred before, propose `lookup_tokens` tokens that followed them (cycling through them when
-fewer follow, as in a loop); otherwise propose the MTP drafter's K. One-token matches are left
-to the MTP drafter: replaying greedy decoding over held-out answers of gemma3-270m, requiring 2
-matched tokens gave a higher tau than 1 or 3.
+fewer follow, as in a loop); otherwise, or where the draft policy marks the row
+(DraftInput.no_lookup: its lookups keep missing), propose the MTP drafter's K. One-token matches
+are left to the MTP drafter: replaying greedy decoding over held-out answers of gemma3-270m,
+requiring 2 matched tokens gave a higher tau than 1 or 3.
 
-The choice depends only on tokens already emitted, so with sampling each row's Q is still the
-exact distribution its drafts came from (a point mass for looked-up tokens).
+The choice depends only on tokens already emitted (and the policy's mark, on counts of earlier
+rounds), so with sampling each row's Q is still the exact distribution its drafts came from (a
+point mass for looked-up tokens).
 """
 
 from __future__ import annotations
@@ -84,8 +86,12 @@ class MTPWithLookup(Drafter):
         found = prompt_lookup(inp.tokens, inp.position + 2, inp.active, self.lookup_tokens, self.index,
                               repeat=True)
         looked_up = found.num_valid > 0
-        # One host sync for the three numbers the round's shape depends on.
-        n_lookup, n_active, longest = torch.stack([looked_up.sum(), inp.active.sum(), found.num_valid.max()]).tolist()
+        if inp.no_lookup is not None:  # the draft policy's: these rows' lookups keep missing
+            looked_up &= ~inp.no_lookup
+        # One host sync for the three numbers the round's shape depends on (a marked row's match
+        # does not widen the round).
+        longest = torch.where(looked_up, found.num_valid, 0).max()
+        n_lookup, n_active, longest = torch.stack([looked_up.sum(), inp.active.sum(), longest]).tolist()
         self.row_rounds["lookup"] += n_lookup
         self.row_rounds["mtp"] += n_active - n_lookup
         if n_lookup == n_active:

@@ -185,6 +185,10 @@ class AcceptanceEstimates:
     def observe(self, state: RowAcceptance, source: str | None, drafted: int, accepted: int,
                 chances: list[float] | None = None, requested: int | None = None) -> None:
         """A row's round (see DraftPolicy.observe)."""
+        if source is not None and self.skips_lookup(state):
+            # The lookup was left out (skips_lookup reads the state choose saw): no evidence about
+            # it, so its estimates drift back as they did when such rounds ran plain.
+            self._plain_round(state, ("lookup",))
         state.rounds += 1
         if source is None:
             self._plain_round(state)
@@ -240,6 +244,20 @@ class AcceptanceEstimates:
             return 1 + landed
         return None
 
+    def skips_lookup(self, state: RowAcceptance) -> bool:
+        """Whether a row of a drafter that mixes in prompt lookups (mtp+ngram) should draft with
+        its drafter this round although a lookup matches: its lookups wait between probes, its
+        drafter's drafts do not. Left to the drafter's choice, such a row could only go plain and
+        lost the MTP drafts that land while its lookups miss (BENCHMARKS.md, "Prompt lookups that
+        keep missing back off")."""
+        return (state.lookups and state.next_source == "lookup" and self.waiting(state, "lookup")
+                and not self.waiting(state, state.source))
+
+    def source(self, state: RowAcceptance) -> str:
+        """Where the row's drafts come from this round: its next_source, or its drafter's own
+        where the lookup is skipped (skips_lookup; the engine tells the drafter, DraftInput.no_lookup)."""
+        return state.source if self.skips_lookup(state) else state.next_source
+
     def waiting(self, state: RowAcceptance, source: str) -> bool:
         """Whether a greedy row whose drafter (or prompt lookup) keeps failing waits between
         probes (PROBE_GAPS_FROM, LOOKUP_GAPS_FROM)."""
@@ -256,15 +274,19 @@ class AcceptanceEstimates:
         gap = min(most, 2 ** (misses - start))
         return state.rounds - state.last_drafted.get(source, 0) < gap
 
-    def _plain_round(self, state: RowAcceptance) -> None:
-        """No evidence: drift back towards the priors so the row gets re-tried."""
+    def _plain_round(self, state: RowAcceptance, sources: tuple[str, ...] | None = None) -> None:
+        """No evidence (of `sources`; None: of any): drift back towards the priors so the row gets re-tried."""
         for src, rates in state.rates.items():
+            if sources is not None and src not in sources:
+                continue
             relax = self._learning(state, src)[1]
             rates[:] = [r + relax * (p - r) for r, p in zip(rates, self._relax_target(state, src))]
             if state.sampled and src in self.steady_sources:  # the pool it drifts to must not lock in
                 pool = self._start(src, state.pool_key)
                 pool[:] = [q + POOL_RELAX * (p - q) for q, p in zip(pool, self.priors(src, len(pool)))]
         for src, cont in [*state.continues.items(), *state.continues_accepted.items()]:
+            if sources is not None and src not in sources:
+                continue
             relax = self._learning(state, src)[1]
             cont[:] = [c + relax * (1.0 - c) for c in cont]
 

@@ -381,8 +381,9 @@ class Engine:
             # Rows that asked for no drafting (Request.speculative) take no part in the choice.
             drafting = [r.acceptance for r in rows if r.req.speculative]
             width = self.policy.choose(drafting) if self.drafter is not None and drafting else 0
-            draft = self._draft(DraftInput(last, self.hidden[:n], position, cache, self.tokens[:n], self.ones[:n]),
-                                rows, width)
+            inp = DraftInput(last, self.hidden[:n], position, cache, self.tokens[:n], self.ones[:n],
+                             self._no_lookup(rows) if width else None)
+            draft = self._draft(inp, rows, width)
         kk = draft.tokens.shape[1]
         with timer.phase("verify"):
             out = self.model(torch.cat([last[:, None], draft.tokens], dim=1), cache)
@@ -431,6 +432,14 @@ class Engine:
     def _mixes_lookups(self) -> bool:
         """Whether some rounds' drafts are prompt lookups and others the drafter's own (mtp+ngram)."""
         return self.drafter is not None and self.drafter.mixes_lookups
+
+    def _no_lookup(self, rows: list[ActiveRow]) -> torch.Tensor | None:
+        """The rows whose drafts the policy wants from the drafter, not prompt lookup
+        (DraftPolicy.skips_lookup), for a drafter that mixes lookups in; None where there are none."""
+        if not self._mixes_lookups:
+            return None
+        skip = [self.policy.skips_lookup(r.acceptance) for r in rows]
+        return torch.tensor(skip, device=self.device) if any(skip) else None
 
     def _draft(self, inp: DraftInput, rows: list[ActiveRow], width: int) -> Draft:
         """Up to `width` drafts per row (0: a plain round); the drafter runs at most min(width, K) steps."""

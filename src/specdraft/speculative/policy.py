@@ -10,7 +10,8 @@ tokens per second, from
   positions at a time and only for rows still unrejected, so a wide round's head costs what its
   expected surviving rows cost;
 - per-row acceptance estimates, one per draft source (acceptance.py); for mtp+ngram, which
-  source a row's next drafts come from is read off its emitted tokens.
+  source a row's next drafts come from is read off its emitted tokens, and a row whose prompt
+  lookups wait between probes drafts with the MTP drafter (skips_lookup).
 
 The choice reads only past tokens and counts, so greedy output and sampling stay exact.
 """
@@ -61,6 +62,11 @@ class DraftPolicy:
 
     def extend(self, state, tokens: list[int]) -> None:
         """Tokens the row emitted (host ints the engine has anyway)."""
+
+    def skips_lookup(self, state) -> bool:
+        """Whether the row's next drafts leave prompt lookup out (the engine tells a drafter that
+        mixes lookups in through DraftInput.no_lookup)."""
+        return False
 
     def choose(self, states: list) -> int:
         """The round's width W for these decoding rows' states: 0 = a plain step."""
@@ -176,9 +182,12 @@ class AdaptivePolicy(DraftPolicy):
         if state is not None and state.lookups:
             state.extend(tokens)
 
+    def skips_lookup(self, state: RowAcceptance | None) -> bool:
+        return state is not None and self.estimates.skips_lookup(state)
+
     def expected_tokens(self, state: RowAcceptance) -> list[float]:
         """[W = 0..width] -> expected tokens this row emits in a round of width W."""
-        return self.estimates.expected(state, state.next_source)[0]
+        return self.estimates.expected(state, self.estimates.source(state))[0]
 
     def choose(self, states: list) -> int:
         n = len(states)
@@ -192,7 +201,7 @@ class AdaptivePolicy(DraftPolicy):
         alive = [float(n)] + [0.0] * self.width
         cap = 0  # the widest any row may ask: rows whose drafter is unproven start narrow (width_cap)
         for s in states:
-            source = s.next_source
+            source = self.estimates.source(s)  # a lookup that waits leaves the row to the drafter
             tokens, drafts = self.estimates.expected(s, source)
             row_cap = self.estimates.width_cap(s, source) if self.narrow_start else None
             if self.estimates.waiting(s, source):  # a failing drafter between probes: no drafts expected

@@ -130,8 +130,9 @@ def _drafting_rounds(p, row, rounds: int, accept) -> int:
     return drafted
 
 
-def _probe_rounds(p, row, rounds: int, accept, source: str = "mtp") -> list[int]:
-    """The rounds (0-based) of `rounds` that drafted; accept(round, width) gives the accepted count."""
+def _probe_rounds(p, row, rounds: int, accept, source: str = "mtp", chance: float | None = None) -> list[int]:
+    """The rounds (0-based) of `rounds` that drafted; accept(round, width) gives the accepted count;
+    `chance`: a sampled row's acceptance chance of every judged draft."""
     drafted = []
     for r in range(rounds):
         w = p.choose([row])
@@ -139,7 +140,9 @@ def _probe_rounds(p, row, rounds: int, accept, source: str = "mtp") -> list[int]
             p.observe(row, None, 0, 0)
             continue
         drafted.append(r)
-        p.observe(row, source, w, accept(r, w), requested=w)
+        accepted = accept(r, w)
+        chances = None if chance is None else [chance] * min(w, accepted + 1)
+        p.observe(row, source, w, accepted, chances=chances, requested=w)
     return drafted
 
 
@@ -181,8 +184,8 @@ def test_a_drafter_that_recovers_is_found_again_within_the_largest_gap(monkeypat
 
 def test_a_drafter_that_lands_backs_off_only_after_a_longer_streak():
     """Once the drafter landed in the request, a streak needs PROBE_GAPS_FROM_LANDED misses before
-    a gap (a steady 50% drafter misses 5 in a row in 3% of its rounds); sampled rows never wait,
-    prompt lookups only after LOOKUP_GAPS_FROM misses in a row."""
+    a gap (a steady 50% drafter misses 5 in a row in 3% of its rounds); a drafter's sampled rows
+    never wait, prompt lookups (greedy or sampled) only after LOOKUP_GAPS_FROM misses in a row."""
     from specdraft.speculative.acceptance import PROBE_GAPS_FROM, PROBE_GAPS_FROM_LANDED
 
     p = policy_for(FakeCosts(lambda n, w: 1.0), k=4, prior={"mtp": 0.9, "lookup": 0.9})
@@ -198,10 +201,12 @@ def test_a_drafter_that_lands_backs_off_only_after_a_longer_streak():
     for _ in range(10):
         p.observe(sampled, "mtp", 1, 0, chances=[0.0], requested=1)
     assert not p.estimates.waiting(sampled, "mtp")
-    lookup = p.new_row("lookup")
+    lookup, sampled_lookup = p.new_row("lookup"), p.new_row("lookup", sampled=True)
     for misses in range(1, LOOKUP_GAPS_FROM + 1):
         p.observe(lookup, "lookup", 1, 0, requested=1)
+        p.observe(sampled_lookup, "lookup", 1, 0, chances=[0.2], requested=1)
         assert p.estimates.waiting(lookup, "lookup") == (misses >= LOOKUP_GAPS_FROM)
+        assert p.estimates.waiting(sampled_lookup, "lookup") == (misses >= LOOKUP_GAPS_FROM)
 
 
 # Where a 2-wide verify costs next to nothing in the table, the estimates alone keep probing a
@@ -219,6 +224,19 @@ def test_prompt_lookups_that_keep_missing_back_off(monkeypatch):
     monkeypatch.setattr(acceptance, "LOOKUP_GAPS_FROM", 10**9)
     p = policy_for(CHEAP_VERIFY, k=4)
     assert len(_probe_rounds(p, p.new_row("lookup"), 96, lambda r, w: 0, source="lookup")) > 30
+
+
+def test_sampled_prompt_lookups_that_keep_missing_back_off(monkeypatch):
+    """A sampled row's lookups whose every draft is rejected (each judged at a 0.3 chance, as a
+    temperature-1 target keeps a copied token) back off as greedy ones do; without the gaps they
+    re-probe from the prior in most rounds."""
+    p = policy_for(CHEAP_VERIFY, k=4)
+    probes = _probe_rounds(p, p.new_row("lookup", sampled=True), 96, lambda r, w: 0, source="lookup", chance=0.3)
+    assert len(probes) <= 96 // LOOKUP_MAX_GAP + 8
+    monkeypatch.setattr(acceptance, "LOOKUP_GAPS_FROM", 10**9)
+    p = policy_for(CHEAP_VERIFY, k=4)
+    assert len(_probe_rounds(p, p.new_row("lookup", sampled=True), 96, lambda r, w: 0, source="lookup",
+                             chance=0.3)) > 30
 
 
 def test_a_lookup_that_lands_again_is_found_within_its_largest_gap():

@@ -259,8 +259,12 @@ class AcceptanceEstimates:
         return state.source if self.skips_lookup(state) else state.next_source
 
     def waiting(self, state: RowAcceptance, source: str) -> bool:
-        """Whether a greedy row whose drafter (or prompt lookup) keeps failing waits between
-        probes (PROBE_GAPS_FROM, LOOKUP_GAPS_FROM)."""
+        """Whether a row whose drafter keeps failing (greedy rows) or whose prompt lookups keep
+        failing (any row) waits between probes (PROBE_GAPS_FROM, LOOKUP_GAPS_FROM). A drafter's
+        sampled rows learn a steady rate instead (_relax_target); a sampled lookup is a point
+        mass whose token the target keeps with its own probability, so at temperature 1 a row
+        that kept re-probing from the prior decoded below plain (BENCHMARKS.md, "Sampled prompt
+        lookups back off too")."""
         if source in self.steady_sources:
             start = PROBE_GAPS_FROM if state.accepted.get(source, 0) == 0 else PROBE_GAPS_FROM_LANDED
             most = MAX_PROBE_GAP
@@ -269,7 +273,7 @@ class AcceptanceEstimates:
         else:
             return False
         misses = state.misses.get(source, 0)
-        if state.sampled or misses < start:
+        if (state.sampled and source != "lookup") or misses < start:
             return False
         gap = min(most, 2 ** (misses - start))
         return state.rounds - state.last_drafted.get(source, 0) < gap

@@ -14,7 +14,8 @@ import torch
 from specdraft.drafters.base import Draft, Drafter, DraftInput
 from specdraft.errors import SpecdraftError
 from specdraft.models.kernels.sample_rows import draw_tokens
-from specdraft.sampling import RowStreams, SamplingParams, probabilities
+from specdraft.models.kernels.truncated_probs import truncated_probabilities
+from specdraft.sampling import RowStreams, SamplingParams
 
 
 class DraftModelDrafter(Drafter):
@@ -64,7 +65,7 @@ class DraftModelDrafter(Drafter):
             if sampling.greedy:
                 token = self.model.greedy_tokens(last)
             else:
-                q = probabilities(self.model.logits(last), sampling)
+                q = truncated_probabilities(self.model.logits(last), sampling)
                 token = draw_tokens(q, generator)
                 probs.append(q)
             tokens.append(token)

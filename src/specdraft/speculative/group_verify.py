@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from specdraft.drafters.base import Draft
-from specdraft.sampling import RowStreams, SamplingParams, probabilities
+from specdraft.models.kernels.truncated_probs import truncated_probabilities
+from specdraft.sampling import RowStreams, SamplingParams
 from specdraft.speculative.request import SamplingGroup
 from specdraft.speculative.rows import ActiveRow
 from specdraft.speculative.verify import (HEAD_BLOCK, SAMPLED_HEAD_BLOCK, acceptance_chances, acceptance_uniforms,
@@ -102,8 +103,8 @@ def _verify_group(model: torch.nn.Module, hidden, drafts, num_valid, q, group: S
     drafts = drafts[:, :width]
     uniforms = acceptance_uniforms(drafts.shape[0], width, group.generator, drafts.device)
     if first is not None:
-        first = probabilities(first, group.params)
-    probs = sampled_probs_blockwise(lambda rows: probabilities(model.logits(rows), group.params),
+        first = truncated_probabilities(first, group.params)
+    probs = sampled_probs_blockwise(lambda rows: truncated_probabilities(model.logits(rows), group.params),
                                     hidden[:, : width + 1], drafts, q, num_valid, uniforms,
                                     block or SAMPLED_HEAD_BLOCK, first=first)
     likelihoods = draft_likelihoods(probs, drafts, q)  # P and Q at the drafts, read by both

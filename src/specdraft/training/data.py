@@ -23,7 +23,8 @@ from tqdm import tqdm
 from specdraft.config import FULL, SLIDING
 from specdraft.drafters.mtp.source import kv_source
 from specdraft.models.kernels.sample_rows import draw_tokens
-from specdraft.sampling import SamplingParams, probabilities
+from specdraft.models.kernels.truncated_probs import truncated_probabilities
+from specdraft.sampling import SamplingParams
 from specdraft.training import durable
 from specdraft.training.labels import top_log_probs
 from specdraft.training.prompts import BASE_TEMPLATE, format_prompt
@@ -100,7 +101,7 @@ def record_answers(model: torch.nn.Module, prompts: list[list[int]], max_new_tok
         if temperature == 0:
             nxt = top_ids[:, 0]
         elif top_p < 1.0:
-            nxt = draw_tokens(probabilities(logits, SamplingParams(temperature, top_p=top_p)), gen)
+            nxt = draw_tokens(truncated_probabilities(logits, SamplingParams(temperature, top_p=top_p)), gen)
         else:
             nxt = draw_tokens(torch.softmax(logits / temperature, dim=-1), gen)
         answer.append(torch.where(alive, nxt, -1))

@@ -23,7 +23,8 @@ from specdraft.models.kernels.build import applies as kernels_apply
 from specdraft.models.kernels.score_rows import draft_head
 from specdraft.models.architectures.target import AttentionLayout
 from specdraft.models.kernels.sample_rows import draw_tokens
-from specdraft.sampling import RowStreams, SamplingParams, probabilities
+from specdraft.models.kernels.truncated_probs import truncated_probabilities
+from specdraft.sampling import RowStreams, SamplingParams
 
 GREEDY_CONFIDENCE = SamplingParams(temperature=1.0)  # greedy drafts' confidence: the drafter's softmax
 # Up to this many rows the copy gate places its copies among the candidates on the host (a few
@@ -259,7 +260,7 @@ class MTPDrafter(Drafter):
             logits, cands = self.logits(step.z, step.state, copies, sampled=True, step=step)
         q = confidence = None
         if not sampling.greedy or self.min_confidence > 0 or copy:
-            q = probabilities(logits, GREEDY_CONFIDENCE if sampling.greedy else sampling)
+            q = truncated_probabilities(logits, GREEDY_CONFIDENCE if sampling.greedy else sampling)
         if isinstance(generator, list):  # a row draws only while it drafts: its stream's use is its own
             generator = [g if d else None for g, d in zip(generator, drafting.tolist())]
         pick = logits.argmax(-1) if sampling.greedy else draw_tokens(q, generator)

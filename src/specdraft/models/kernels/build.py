@@ -48,6 +48,7 @@ SIGNATURES = {  # name: argument types (every kernel returns nothing)
     "rescore_candidates": [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _INT],
     "argmax_rows": [_PTR, _I64, _I64, _PTR, _INT],
     "sample_rows": [_PTR, _I64, _I64, _PTR, _PTR, _INT],
+    "truncated_probs": [_PTR, _I64, _I64, _I64, _FLOAT, _I64, _PTR, _PTR, _INT],
     "score_rows": [_PTR, _PTR, _INT, _PTR, _PTR, _I64, _I64, _I64, _INT],
     "draft_head": [_PTR, _PTR, _INT, _PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 9 + [_I64, _I64, _INT],
     "rms_norm_rows": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _FLOAT, _INT],

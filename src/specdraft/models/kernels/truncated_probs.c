@@ -2,15 +2,17 @@
  * topk, mask or softmax: a chat request at Gemma's settings (top-k 64, top-p 0.95) paid ~1.1 ms a
  * row in torch over a 262144-token vocabulary, and a sampled verification pays it for every row.
  *
- * Each logit maps to an unsigned key that orders as the floats do; a histogram of the keys' top
- * HIST_BITS bits finds the bin that holds the k-th best (top-k) or the token crossing top_p (top-p
- * alone, from each bin's softmax mass), and only the tokens in the bins at or above it are sorted.
+ * Only the tokens near the cut are sorted. Top-k finds them by a threshold read off a sample of
+ * the row (or, where that misses, a histogram of every token's key: an unsigned integer that
+ * orders as the floats do); top-p alone by a histogram of the keys of the tokens near the best,
+ * each bin weighted by its softmax mass, walked best first until it holds more than top_p.
  * The law: top-k keeps the k best, then top-p keeps the shortest best-first prefix whose mass
  * before each token stays under top_p (masses from the softmax over what top-k kept, or over the
  * whole row), then the softmax over what is kept. Where a tie crosses a cut (which of equal logits
  * is kept would depend on a sort's order), a row holds a NaN or no finite best, or the candidates
- * would not fit `cap`, the row is not written and its flag is set: the caller computes it in torch.
- * The sums run in another order than torch's softmax: the same law to a few float32 roundings. */
+ * would not fit `cap` (a flat row), the row is not written and its flag is set: the caller
+ * computes it in torch. Sums run in another order than torch's softmax, the masses in float64:
+ * the same law to a few float32 roundings. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -136,7 +138,82 @@ static int64_t top_k_candidates(const float *x, int64_t V, int64_t k, Cand *cand
 }
 
 static int finish(const float *x, int64_t V, int64_t k, float top_p, float m, Cand *cand, int64_t n, double z_all,
-                  int64_t lo_bin, float *out);
+                  float *out);
+
+#define NEAR 16.0f
+
+/* The float whose key is `key` (key_of's inverse). */
+static inline float float_of(uint32_t key) {
+    const uint32_t u = (key & 0x80000000u) ? key ^ 0x80000000u : ~key;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Top-p alone: the row's softmax normaliser in *z, and as candidates every token in the best
+ * bins (by key) that together hold more than top_p of it (-1: the cut lies among tokens too
+ * far below the best to be binned, a flat row; or more than cap candidates). Only tokens within
+ * NEAR of the best are binned (each token below holds under e^-16 of the best's mass, all of
+ * them under 3% of the row's at 262144 tokens): one vector pass for the normaliser, a scatter
+ * only for the ~1000 near the top of a real row instead of every token. */
+static int64_t top_p_candidates(const float *x, int64_t V, float m, float top_p, double *mass, Cand *cand,
+                                int64_t cap, double *z) {
+    const float low = m - NEAR;
+    const uint32_t lo = key_of(low) >> (32 - HIST_BITS), hi = key_of(m) >> (32 - HIST_BITS);
+    memset(mass + lo, 0, sizeof(double) * (hi - lo + 1));
+    const __m256 mv = _mm256_set1_ps(m), lowv = _mm256_set1_ps(low);
+    double total = 0.0;
+    int64_t i = 0;
+    float e[8];
+    while (i + 8 <= V) {
+        __m256 part = _mm256_setzero_ps(); /* float sums of at most 512 terms, each <= 1, then double */
+        for (int64_t end = i + 4096 < V ? i + 4096 : V; i + 8 <= end; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i), ev = exp8(_mm256_sub_ps(v, mv));
+            part = _mm256_add_ps(part, ev);
+            int near = _mm256_movemask_ps(_mm256_cmp_ps(v, lowv, _CMP_GE_OQ));
+            if (near) {
+                _mm256_storeu_ps(e, ev);
+                while (near) {
+                    const int b = __builtin_ctz(near);
+                    near &= near - 1;
+                    mass[key_of(x[i + b]) >> (32 - HIST_BITS)] += e[b];
+                }
+            }
+        }
+        float lanes[8];
+        _mm256_storeu_ps(lanes, part);
+        for (int j = 0; j < 8; j++) total += lanes[j];
+    }
+    for (; i < V; i++) {
+        const float ei = exp1(x[i] - m);
+        total += ei;
+        if (x[i] >= low) mass[key_of(x[i]) >> (32 - HIST_BITS)] += ei;
+    }
+    *z = total;
+    double before = 0.0;
+    int64_t b = hi;
+    for (; b >= (int64_t)lo; b--)
+        if ((before += mass[b]) >= total * ((double)top_p + 1e-4)) break;
+    if (b < (int64_t)lo) return -1;
+    const float t = b > (int64_t)lo ? float_of((uint32_t)b << (32 - HIST_BITS)) : low;
+    const __m256 tv = _mm256_set1_ps(t);
+    int64_t n = 0;
+    for (i = 0; i + 8 <= V; i += 8) {
+        int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GE_OQ));
+        while (hits) {
+            const int j = __builtin_ctz(hits);
+            hits &= hits - 1;
+            if (n == cap) return -1;
+            cand[n].value = x[i + j], cand[n].index = (int32_t)(i + j), n++;
+        }
+    }
+    for (; i < V; i++)
+        if (x[i] >= t) {
+            if (n == cap) return -1;
+            cand[n].value = x[i], cand[n].index = (int32_t)i, n++;
+        }
+    return n;
+}
 
 /* One row: 0 done, 1 left to the caller. hist: BINS counts; mass: BINS sums (top-p alone). */
 static int row_probs(const float *x, int64_t V, int64_t k, float top_p, float *out, uint32_t *hist, double *mass,
@@ -144,53 +221,32 @@ static int row_probs(const float *x, int64_t V, int64_t k, float top_p, float *o
     const float m = row_max(x, V);
     if (!isfinite(m)) return 1; /* NaN, or no finite logit */
     int64_t n = k > 0 && k < V ? top_k_candidates(x, V, k, cand, cap) : -1;
-    if (n >= 0) return finish(x, V, k, top_p, m, cand, n, 0.0, 0, out);
-    memset(hist, 0, sizeof(uint32_t) * BINS);
-    int64_t lo_bin; /* candidates: every token whose key's bin is >= lo_bin */
-    double z_all = 0.0;
-    if (k > 0 && k < V) {
+    if (n >= 0) return finish(x, V, k, top_p, m, cand, n, 0.0, out);
+    if (k > 0 && k < V) { /* the sample missed: a histogram of every token's key finds the k-th's bin */
+        memset(hist, 0, sizeof(uint32_t) * BINS);
         for (int64_t i = 0; i < V; i++) hist[key_of(x[i]) >> (32 - HIST_BITS)]++;
-        int64_t seen = 0;
+        int64_t seen = 0, lo_bin;
         for (lo_bin = BINS - 1; lo_bin > 0; lo_bin--)
             if ((seen += hist[lo_bin]) >= k) break;
-    } else { /* top-p alone: bins best first until their mass passes top_p by a margin */
-        memset(mass, 0, sizeof(double) * BINS);
-        const __m256 mv = _mm256_set1_ps(m);
-        int64_t i = 0;
-        float e[8];
-        for (; i + 8 <= V; i += 8) {
-            _mm256_storeu_ps(e, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv)));
-            for (int j = 0; j < 8; j++) {
-                const uint32_t b = key_of(x[i + j]) >> (32 - HIST_BITS);
-                hist[b]++, mass[b] += e[j];
+        n = 0;
+        for (int64_t i = 0; i < V; i++)
+            if ((int64_t)(key_of(x[i]) >> (32 - HIST_BITS)) >= lo_bin) {
+                if (n == cap) return 1;
+                cand[n].value = x[i], cand[n].index = (int32_t)i, n++;
             }
-        }
-        for (; i < V; i++) {
-            const uint32_t b = key_of(x[i]) >> (32 - HIST_BITS);
-            hist[b]++, mass[b] += exp1(x[i] - m);
-        }
-        for (int64_t b = 0; b < BINS; b++) z_all += mass[b];
-        double before = 0.0;
-        int64_t seen = 0;
-        for (lo_bin = BINS - 1; lo_bin > 0; lo_bin--) {
-            before += mass[lo_bin], seen += hist[lo_bin];
-            if (before >= z_all * ((double)top_p + 1e-4) && seen >= 2) break;
-        }
+        return finish(x, V, k, top_p, m, cand, n, 0.0, out);
     }
-    n = 0;
-    for (int64_t i = 0; i < V; i++)
-        if ((int64_t)(key_of(x[i]) >> (32 - HIST_BITS)) >= lo_bin) {
-            if (n == cap) return 1;
-            cand[n].value = x[i], cand[n].index = (int32_t)i, n++;
-        }
-    return finish(x, V, k, top_p, m, cand, n, z_all, lo_bin, out);
+    double z = 0.0;
+    n = top_p_candidates(x, V, m, top_p, mass, cand, cap, &z);
+    if (n < 0) return 1;
+    return finish(x, V, k, top_p, m, cand, n, z, out);
 }
 
 /* The candidates c[0..n) (every token at or above some value, in any order) -> the row's
- * probabilities; 1 where the row is left to the caller. lo_bin > 0: top-p alone, whose
- * candidates stop at a bin (its cut must fall inside them); z_all its normaliser. */
+ * probabilities; 1 where the row is left to the caller. Top-p alone: z_all is the row's
+ * normaliser, and the candidates hold more than top_p of it, so the cut falls inside them. */
 static int finish(const float *x, int64_t V, int64_t k, float top_p, float m, Cand *cand, int64_t n, double z_all,
-                  int64_t lo_bin, float *out) {
+                  float *out) {
     (void)x;
     qsort(cand, n, sizeof(Cand), by_value_desc);
     int64_t kept = n;
@@ -205,7 +261,6 @@ static int finish(const float *x, int64_t V, int64_t k, float top_p, float m, Ca
     }
     kept = nucleus(cand, kept, m, z, top_p);
     if (kept < 0) return 1;
-    if (!(k > 0 && k < V) && kept == n && lo_bin > 0) return 1; /* the cut lies past the candidates */
     double zk = 0.0;
     for (int64_t i = 0; i < kept; i++) zk += exp1(cand[i].value - m);
     memset(out, 0, sizeof(float) * V);

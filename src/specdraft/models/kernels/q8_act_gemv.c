@@ -454,7 +454,11 @@ void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t 
                  int layout, int32_t base, int32_t code_max, const void *s, const void *o, float *y, int64_t M,
                  int64_t N, int64_t K, int64_t G, int threads)
 {
-    /* Each thread reads its blocks as one contiguous stream. The AVX-512 loop reads each line
+    /* Each thread reads its blocks as a few contiguous streams: guided chunks (half the blocks,
+     * then half of what is left, ...) end a matrix with small ones, so a thread that read slower
+     * does not keep the other waiting at the barrier for its whole half (static halves: 1.02-1.16x
+     * slower over E2B-shaped Q4_K / Q8_0 matrices, BENCHMARKS.md). A block is one thread's work in
+     * one fixed order either way: the same bits. The AVX-512 loop reads each line
      * once; at one row the hardware prefetcher keeps up (fetching the next block ahead, or 4-16
      * lines ahead, read the same or slower on a 2-core Zen 4), from 2 rows the tiles fetch the
      * next block ahead (FETCH_NEXT_BLOCK). The AVX2 loop reads each line in two passes and
@@ -465,7 +469,7 @@ void q8_act_gemv(const int8_t *q, const float *a, const float *b, const int32_t 
                               : layout == Q8_SIXBITS ? K / 16 * SIX_QUAD : K * OUT_BLOCK;
     const int64_t blocks = N / OUT_BLOCK, scale_bytes = block_scale_bytes(smode, K, G);
     const int chain = widen_chain(code_max, G); /* 0 for signed bytes (|c| up to 128): they never chain */
-#pragma omp parallel for schedule(static) num_threads(threads)
+#pragma omp parallel for schedule(guided) num_threads(threads)
     for (int64_t nb = 0; nb < blocks; nb++) {
         const uint8_t *c = codes + nb * block_bytes;
         const char *sc = (const char *)s + nb * scale_bytes, *oc = o ? (const char *)o + nb * scale_bytes : 0;

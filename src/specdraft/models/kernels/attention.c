@@ -187,34 +187,15 @@ static void value_tile(const float *const *p, int nq, const void *v, int half, i
     }
 }
 
-/* e^x in 8 lanes for x <= 0 (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times 2^n;
- * within 2 ulp of expf, flushed to 0 below -87.3). Each lane depends on its own x only. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
 /* s[j] = e^(s[j] - top) for j in [j0, j1), 8 at a time; the tail through a buffer, the same lanes. */
 static void exp_shifted(float *s, int64_t j0, int64_t j1, float top) {
     const __m256 t = _mm256_set1_ps(top);
     int64_t j = j0;
-    for (; j + 8 <= j1; j += 8) _mm256_storeu_ps(s + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), t)));
+    for (; j + 8 <= j1; j += 8) _mm256_storeu_ps(s + j, exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), t)));
     if (j < j1) {
         float buf[8] = {0};
         memcpy(buf, s + j, sizeof(float) * (j1 - j));
-        _mm256_storeu_ps(buf, exp8(_mm256_sub_ps(_mm256_loadu_ps(buf), t)));
+        _mm256_storeu_ps(buf, exp8_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(buf), t)));
         memcpy(s + j, buf, sizeof(float) * (j1 - j));
     }
 }

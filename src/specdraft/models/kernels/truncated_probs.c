@@ -41,24 +41,9 @@ static int by_value_desc(const void *a, const void *b) {
     return (i > j) - (i < j);
 }
 
-/* exp(x) for x <= 0 in float32 to ~2 ulp: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2]. */
+/* e^x for x <= 0, and exactly 0 below -87.3: a -inf logit's mass is 0, as in torch's softmax. */
 static inline __m256 exp8(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.3f);
-    const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ), exp8_nonpositive(x));
 }
 
 static inline float exp1(float x) {
@@ -98,6 +83,28 @@ static float row_max(const float *x, int64_t V) {
     return bad ? NAN : m;
 }
 
+/* Every token whose logit is >= t into cand (any order): how many, or -1 past cap. One vector
+ * compare a token; only the few above t are written. */
+static int64_t at_least(const float *x, int64_t V, float t, Cand *cand, int64_t cap) {
+    const __m256 tv = _mm256_set1_ps(t);
+    int64_t n = 0, i = 0;
+    for (; i + 8 <= V; i += 8) {
+        int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GE_OQ));
+        while (hits) {
+            const int j = __builtin_ctz(hits);
+            hits &= hits - 1;
+            if (n == cap) return -1;
+            cand[n].value = x[i + j], cand[n].index = (int32_t)(i + j), n++;
+        }
+    }
+    for (; i < V; i++)
+        if (x[i] >= t) {
+            if (n == cap) return -1;
+            cand[n].value = x[i], cand[n].index = (int32_t)i, n++;
+        }
+    return n;
+}
+
 #define SAMPLES 2048
 
 /* Top-k's candidates by a threshold from a sample: every SAMPLES-th of the row's tokens, the
@@ -117,23 +124,7 @@ static int64_t top_k_candidates(const float *x, int64_t V, int64_t k, Cand *cand
         while (at > 0 && best[at - 1] < v) best[at] = best[at - 1], at--;
         best[at] = v;
     }
-    const float t = best[j];
-    const __m256 tv = _mm256_set1_ps(t);
-    int64_t n = 0, i = 0;
-    for (; i + 8 <= V; i += 8) {
-        int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GE_OQ));
-        while (hits) {
-            const int b = __builtin_ctz(hits);
-            hits &= hits - 1;
-            if (n == cap) return -1;
-            cand[n].value = x[i + b], cand[n].index = (int32_t)(i + b), n++;
-        }
-    }
-    for (; i < V; i++)
-        if (x[i] >= t) {
-            if (n == cap) return -1;
-            cand[n].value = x[i], cand[n].index = (int32_t)i, n++;
-        }
+    const int64_t n = at_least(x, V, best[j], cand, cap);
     return n >= k ? n : -1;
 }
 
@@ -195,24 +186,7 @@ static int64_t top_p_candidates(const float *x, int64_t V, float m, float top_p,
     for (; b >= (int64_t)lo; b--)
         if ((before += mass[b]) >= total * ((double)top_p + 1e-4)) break;
     if (b < (int64_t)lo) return -1;
-    const float t = b > (int64_t)lo ? float_of((uint32_t)b << (32 - HIST_BITS)) : low;
-    const __m256 tv = _mm256_set1_ps(t);
-    int64_t n = 0;
-    for (i = 0; i + 8 <= V; i += 8) {
-        int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), tv, _CMP_GE_OQ));
-        while (hits) {
-            const int j = __builtin_ctz(hits);
-            hits &= hits - 1;
-            if (n == cap) return -1;
-            cand[n].value = x[i + j], cand[n].index = (int32_t)(i + j), n++;
-        }
-    }
-    for (; i < V; i++)
-        if (x[i] >= t) {
-            if (n == cap) return -1;
-            cand[n].value = x[i], cand[n].index = (int32_t)i, n++;
-        }
-    return n;
+    return at_least(x, V, b > (int64_t)lo ? float_of((uint32_t)b << (32 - HIST_BITS)) : low, cand, cap);
 }
 
 /* One row: 0 done, 1 left to the caller. hist: BINS counts; mass: BINS sums (top-p alone). */

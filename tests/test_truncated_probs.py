@@ -107,3 +107,14 @@ def test_requests_the_kernel_does_not_shape_are_probabilities_bit_for_bit() -> N
             assert torch.equal(truncated_probabilities(logits, p), probabilities(logits, p))
     p = PARAMS["chat (top-k 64, top-p 0.95)"]
     assert torch.equal(truncated_probabilities(logits, p), probabilities(logits, p))  # grad enabled: torch
+
+
+def test_bfloat16_logits_are_widened_first() -> None:
+    """bfloat16 logits (ties common) take the kernel after widening, as sampling does: rows with a
+    tie at the k-th are torch's (all tied tokens kept), the others the kernel's; the same law."""
+    logits = rows(4, 50_000, 2.0, seed=9).bfloat16()
+    p = SamplingParams(1.0, top_k=64)
+    with torch.inference_mode():
+        got = truncated_probabilities(logits, p)
+    assert got.dtype == torch.float32
+    assert_law(got, logits.float(), p)

@@ -24,10 +24,12 @@ def truncated_probabilities(logits: torch.Tensor, params: SamplingParams) -> tor
     """sampling.probabilities(logits, params): the same law, the sums in another order."""
     vocab = logits.shape[-1]
     top_k = params.top_k if 0 < params.top_k < vocab else 0
-    if ((not top_k and params.top_p >= 1.0) or params.temperature < MIN_SCALED_TEMPERATURE
-            or not applies(logits) or logits.numel() == 0):
+    if (not top_k and params.top_p >= 1.0) or params.temperature < MIN_SCALED_TEMPERATURE or logits.numel() == 0:
         return probabilities(logits, params)
+    # Temperature as sampling._scaled applies it (bfloat16 logits widened first, exactly).
     x = logits.float() if params.temperature == 1.0 else logits.float() / params.temperature
+    if not applies(x):
+        return probabilities(logits, params)
     flat = x.reshape(-1, vocab).contiguous()
     out = torch.empty_like(flat)
     left = torch.zeros(flat.shape[0], dtype=torch.uint8)

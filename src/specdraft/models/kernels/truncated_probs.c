@@ -128,8 +128,7 @@ static int64_t top_k_candidates(const float *x, int64_t V, int64_t k, Cand *cand
     return n >= k ? n : -1;
 }
 
-static int finish(const float *x, int64_t V, int64_t k, float top_p, float m, Cand *cand, int64_t n, double z_all,
-                  float *out);
+static int finish(int64_t V, int64_t k, float top_p, float m, Cand *cand, int64_t n, double z_all, float *out);
 
 #define NEAR 16.0f
 
@@ -195,33 +194,26 @@ static int row_probs(const float *x, int64_t V, int64_t k, float top_p, float *o
     const float m = row_max(x, V);
     if (!isfinite(m)) return 1; /* NaN, or no finite logit */
     int64_t n = k > 0 && k < V ? top_k_candidates(x, V, k, cand, cap) : -1;
-    if (n >= 0) return finish(x, V, k, top_p, m, cand, n, 0.0, out);
+    if (n >= 0) return finish(V, k, top_p, m, cand, n, 0.0, out);
     if (k > 0 && k < V) { /* the sample missed: a histogram of every token's key finds the k-th's bin */
         memset(hist, 0, sizeof(uint32_t) * BINS);
         for (int64_t i = 0; i < V; i++) hist[key_of(x[i]) >> (32 - HIST_BITS)]++;
         int64_t seen = 0, lo_bin;
         for (lo_bin = BINS - 1; lo_bin > 0; lo_bin--)
             if ((seen += hist[lo_bin]) >= k) break;
-        n = 0;
-        for (int64_t i = 0; i < V; i++)
-            if ((int64_t)(key_of(x[i]) >> (32 - HIST_BITS)) >= lo_bin) {
-                if (n == cap) return 1;
-                cand[n].value = x[i], cand[n].index = (int32_t)i, n++;
-            }
-        return finish(x, V, k, top_p, m, cand, n, 0.0, out);
+        n = at_least(x, V, lo_bin > 0 ? float_of((uint32_t)lo_bin << (32 - HIST_BITS)) : -INFINITY, cand, cap);
+        return n < 0 ? 1 : finish(V, k, top_p, m, cand, n, 0.0, out);
     }
     double z = 0.0;
     n = top_p_candidates(x, V, m, top_p, mass, cand, cap, &z);
     if (n < 0) return 1;
-    return finish(x, V, k, top_p, m, cand, n, z, out);
+    return finish(V, k, top_p, m, cand, n, z, out);
 }
 
 /* The candidates c[0..n) (every token at or above some value, in any order) -> the row's
  * probabilities; 1 where the row is left to the caller. Top-p alone: z_all is the row's
  * normaliser, and the candidates hold more than top_p of it, so the cut falls inside them. */
-static int finish(const float *x, int64_t V, int64_t k, float top_p, float m, Cand *cand, int64_t n, double z_all,
-                  float *out) {
-    (void)x;
+static int finish(int64_t V, int64_t k, float top_p, float m, Cand *cand, int64_t n, double z_all, float *out) {
     qsort(cand, n, sizeof(Cand), by_value_desc);
     int64_t kept = n;
     double z;

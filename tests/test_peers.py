@@ -139,3 +139,16 @@ def test_real_prompt_lookup_past_n_batch(monkeypatch):
         finally:
             method.close()
     assert all(len(t) == 8 for t in outs.values()), outs
+
+
+def test_native_llama_cpp_is_built_for_the_cpu():
+    """The peer build takes each AVX-512 / VNNI extension the CPU lists and no other, AMX never:
+    a fixed list either left VNNI out (a slower llama.cpp than its users build) or put AVX-512 on
+    a CPU without it (illegal instructions)."""
+    from specdraft.bench.llama_native import cmake_flags
+
+    zen4 = set(cmake_flags({"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile"}))
+    assert {"-DGGML_AVX512=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON", "-DGGML_AVX512_VBMI=OFF",
+            "-DGGML_AVX_VNNI=OFF", "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF"} <= zen4
+    avx2_only = cmake_flags({"avx2", "fma", "f16c"})
+    assert not [f for f in avx2_only if f.endswith("=ON") and "AVX" in f]

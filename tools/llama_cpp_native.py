@@ -17,14 +17,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from specdraft.bench.llama_native import CMAKE_FLAGS, TARGETS, assistant_gguf, native_root
+from specdraft.bench.llama_native import TARGETS, assistant_gguf, cmake_flags, native_root
 
 
 def build(source: Path, jobs: int) -> Path:
     if not (source / "CMakeLists.txt").is_file():
         sys.exit(f"{source} is not a llama.cpp source tree (no CMakeLists.txt)")
     work = native_root() / "build"
-    subprocess.run(["cmake", "-S", str(source), "-B", str(work), *CMAKE_FLAGS], check=True)
+    subprocess.run(["cmake", "-S", str(source), "-B", str(work), *cmake_flags()], check=True)
     subprocess.run(["cmake", "--build", str(work), "-j", str(jobs), "--target", *TARGETS], check=True)
     out = native_root() / "bin"
     out.mkdir(parents=True, exist_ok=True)
@@ -50,7 +50,7 @@ def convert_assistant(folder: Path, source: Path) -> Path:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build", help="cmake llama-server and llama-bench into the cache")
+    b = sub.add_parser("build", help="cmake llama-server, llama-bench and llama-quantize into the cache, built for this CPU (AMX off)")
     b.add_argument("source", type=Path)
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     c = sub.add_parser("convert-assistant", help="a Gemma 4 assistant folder -> the GGUF llama-server drafts with")

@@ -11,6 +11,7 @@ plots.py      PNG figures (matplotlib, Agg)
 runner.py     orchestration: load, build each method, warm up, interleave, measure, write
 """
 
+from specdraft.bench.llama_native import cmake_flags
 from specdraft.drafters.kinds import DRAFTER_KINDS, MTP_KINDS
 
 # plain decoding a second time, as its own method: identical work, so its speedup over plain in a cell is
@@ -49,6 +50,7 @@ def method_weights(name: str) -> str | None:
     return weights if sep else None
 
 
-# The default llama.cpp build crashes on CPUs with AMX; this one does not (and still uses AVX-512).
-LLAMA_CPP_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF '
-                   '-DGGML_AMX_BF16=OFF" pip install llama-cpp-python')
+# The default llama.cpp build crashes on CPUs with AMX; this one does not, and takes every other
+# vector extension this CPU has (bench/llama_native.cmake_flags).
+LLAMA_CPP_BUILD = 'CMAKE_ARGS="{}" pip install llama-cpp-python'.format(
+    " ".join(f for f in cmake_flags() if f.startswith("-DGGML_") and (f.endswith("=ON") or "NATIVE" in f or "AMX" in f)))

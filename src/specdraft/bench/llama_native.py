@@ -15,10 +15,37 @@ from pathlib import Path
 
 from specdraft.cache_dir import cache_root
 
-# The same CPU flags as the wheel's build note (bench/__init__.py): AMX off, AVX-512 on.
-CMAKE_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AVX512=ON", "-DGGML_AMX_TILE=OFF",
-               "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON")
-TARGETS = ("llama-server", "llama-bench")
+# llama.cpp's x86 extensions by the /proc/cpuinfo flag that says the CPU has them. A build for
+# the machine takes every one it has but AMX (llama.cpp's AMX path crashed at load on an AMX
+# Xeon); GGML_NATIVE would take AMX too, and a fixed list either leaves VNNI out (slower int8 dot
+# products than llama.cpp's users get) or puts AVX-512 on a CPU without it (illegal instructions).
+GGML_CPU_OPTIONS = (("avx512f", "GGML_AVX512"), ("avx512vbmi", "GGML_AVX512_VBMI"),
+                    ("avx512_vnni", "GGML_AVX512_VNNI"), ("avx512_bf16", "GGML_AVX512_BF16"),
+                    ("avx_vnni", "GGML_AVX_VNNI"))
+COMMON_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
+                "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON")
+
+
+def cpu_flags() -> set[str]:
+    """The flags /proc/cpuinfo lists for the first CPU (empty where there is no such file)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.partition(":")[2].split())
+    return set()
+
+
+def cmake_flags(flags: set[str] | None = None) -> tuple[str, ...]:
+    """cmake options for a llama.cpp built for this CPU (or for one with `flags`): AVX2, FMA and
+    F16C as llama.cpp's non-native default, plus each AVX-512 / VNNI extension the CPU has."""
+    have = cpu_flags() if flags is None else flags
+    return COMMON_FLAGS + tuple(f"-D{option}={'ON' if flag in have else 'OFF'}" for flag, option in GGML_CPU_OPTIONS)
+
+
+TARGETS = ("llama-server", "llama-bench", "llama-quantize")
 TOOL = "python tools/llama_cpp_native.py"
 
 

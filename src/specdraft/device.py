@@ -24,6 +24,16 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    line = next((line for line in text.splitlines() if line.startswith("vendor_id")), "")
+    return line.partition(":")[2].strip()
+
+
 def cpu_has_bf16_units() -> bool:
     """True on CPUs with AMX or AVX512-BF16, where bf16 matmuls beat fp32."""
     return bool({"amx_bf16", "avx512_bf16"} & cpu_flags())

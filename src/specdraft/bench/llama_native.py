@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from specdraft.cache_dir import cache_root
+from specdraft.device import cpu_flags
 
 # llama.cpp's x86 extensions by the /proc/cpuinfo flag that says the CPU has them. A build for
 # the machine takes every one it has but AMX (llama.cpp's AMX path crashed at load on an AMX
@@ -26,19 +27,7 @@ COMMON_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AMX_T
                 "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON")
 
 
-def cpu_flags() -> set[str]:
-    """The flags /proc/cpuinfo lists for the first CPU (empty where there is no such file)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
-
-
-def cmake_flags(flags: set[str] | None = None) -> tuple[str, ...]:
+def cmake_flags(flags: set[str] | frozenset[str] | None = None) -> tuple[str, ...]:
     """cmake options for a llama.cpp built for this CPU (or for one with `flags`): AVX2, FMA and
     F16C as llama.cpp's non-native default, plus each AVX-512 / VNNI extension the CPU has."""
     have = cpu_flags() if flags is None else flags

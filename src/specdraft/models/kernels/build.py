@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from specdraft.cache_dir import cache_root
-from specdraft.device import cpu_flags
+from specdraft.device import cpu_flags, cpu_vendor
 from specdraft.errors import SpecdraftError
 
 HERE = Path(__file__).resolve().parent
@@ -27,6 +27,10 @@ FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", "-
 # builds the AVX2 loops anywhere.
 AVX512 = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl", "avx512dq": "-mavx512dq",
           "avx512_vnni": "-mavx512vnni"}
+
+# Intel CPUs: the int8 matrix kernel fetches the next block ahead from one row on, not two
+# (q8_act_gemv.c, FETCH_ROWS): a Xeon's prefetcher falls behind a one-row pass, a Zen 4's does not.
+INTEL = ["-DFETCH_ROWS=1"]
 
 _PTR, _I64, _INT, _FLOAT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # name: argument types (every kernel returns nothing)
@@ -95,7 +99,7 @@ def library_for(avx512: bool) -> ctypes.CDLL:
     """The compiled kernels, built once per sources, compiler and flags into $SPECDRAFT_CACHE/kernels."""
     if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         raise KernelUnavailable("the C kernels need an x86 CPU with AVX2 and FMA")
-    flags = FLAGS + (list(AVX512.values()) if avx512 else [])
+    flags = FLAGS + (list(AVX512.values()) if avx512 else []) + (INTEL if cpu_vendor() == "GenuineIntel" else [])
     digest = hashlib.sha256(" ".join([_compiler(), *flags]).encode())
     for source in SOURCES + HEADERS:
         digest.update(source.name.encode() + source.read_bytes())

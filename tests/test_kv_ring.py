@@ -157,7 +157,13 @@ def test_engine_with_rings_equals_transformers_greedy(pair, k, tmp_path_factory)
     assert 0 < accepted < sum(r.stats.drafted for r in spec)
 
 
+@pytest.mark.usefixtures("float32_kv")  # float32: the two caches then differ in summation order only
 def test_drafter_reads_a_wrapped_ring_like_the_whole_cache(pair, tmp_path_factory):
+    """The drafter over a wrapped ring gives the distributions it gives over the whole cache. The
+    two caches hold the same keys in different slot orders, so the target's hidden states and the
+    drafter's distributions agree to float rounding, not to the bit (a chained greedy draft can
+    flip on a near tie): drafts are sampled with one seed and their distributions compared
+    position by position while the drawn tokens agree."""
     ref_t, model = pair
     ref_a = randomize_(transformers.Gemma4AssistantForCausalLM(assistant_config(ref_t.config)), seed=26)
     folder = tmp_path_factory.mktemp("ring_reader")
@@ -176,5 +182,14 @@ def test_drafter_reads_a_wrapped_ring_like_the_whole_cache(pair, tmp_path_factor
         last = torch.stack([ids[0, 32], ids[1, 29]])
         inp = DraftInput(last_token=last, hidden=state, position=torch.tensor([31, 28]), cache=cache,
                          tokens=ids, active=torch.ones(2, dtype=torch.bool))
-        drafts.append(drafter.propose(inp, 4, SamplingParams(), None).tokens)
-    assert torch.equal(drafts[0], drafts[1])
+        with drafter.without_early_stop():
+            drafts.append(drafter.propose(inp, 4, SamplingParams(temperature=1.0), torch.Generator().manual_seed(28)))
+    whole, ring = drafts
+    dense = [d.probs.dense() if hasattr(d.probs, "dense") else d.probs for d in drafts]
+    compared = 0
+    for pos in range(4):
+        torch.testing.assert_close(dense[1][:, pos], dense[0][:, pos], atol=1e-4, rtol=0)
+        compared += 1
+        if not torch.equal(whole.tokens[:, pos], ring.tokens[:, pos]):
+            break
+    assert compared >= 2 and dense[0][:, 0].max() < 0.9  # spread enough to catch a misread slot

@@ -209,8 +209,9 @@ static inline __m512i six_step(__m512i nib, __m512i two, int j)
  * a line the hardware prefetcher alone fell behind: E2B's 4-token verify read its matrices at 24
  * GB/s where a step read 31, and fetching ahead made it 1.1-1.3x faster (BENCHMARKS.md). At one
  * row a Zen 4's prefetcher keeps up alone, an Intel Xeon's does not (one-row passes 1.2-1.4x
- * faster with the fetch, BENCHMARKS.md), so the build sets FETCH_ROWS 1 on Intel CPUs (build.py). Below blocks of FETCH_MIN_BLOCK
- * bytes (Gemma 3 270M's 5-8 KB blocks, 0.97x) the hardware prefetcher keeps up on its own. */
+ * faster with the fetch, BENCHMARKS.md), so the build sets FETCH_ROWS 1 on Intel CPUs (build.py).
+ * Below blocks of FETCH_MIN_BLOCK bytes (Gemma 3 270M's 5-8 KB blocks, 0.97x) the hardware
+ * prefetcher keeps up on its own. */
 #ifndef FETCH_ROWS
 #define FETCH_ROWS 2
 #endif

@@ -380,3 +380,25 @@ def test_the_shipped_spec_bench_questions_are_the_default():
     questions = read_questions(DEFAULT_QUESTIONS)
     assert BenchConfig().questions == DEFAULT_QUESTIONS and (DEFAULT_QUESTIONS.parent / "LICENSE").is_file()
     assert len(questions) == 480 and len({q.category for q in questions}) == 13
+
+
+def test_warm_up_reads_only_a_long_prompts_tail(tiny_folder, questions_file, tmp_path, monkeypatch):
+    """The warm-up generation takes the prompt's last WARMUP_PROMPT_TOKENS tokens (first-call costs
+    do not grow with the prompt); the timed generation takes the whole prompt."""
+    from specdraft.bench import runner
+    from specdraft.bench.runner import BenchConfig, run_bench
+
+    lengths = []
+    original = bench_methods.SpecdraftMethod.generate
+
+    def recording(self, prompts, max_new_tokens):
+        lengths.append((self.name, [len(p) for p in prompts]))
+        return original(self, prompts, max_new_tokens)
+
+    monkeypatch.setattr(bench_methods.SpecdraftMethod, "generate", recording)
+    monkeypatch.setattr(runner, "WARMUP_PROMPT_TOKENS", 3)
+    payload = run_bench(BenchConfig(questions=questions_file, model=str(tiny_folder), categories=["writing"],
+                                    methods=["plain"], max_new_tokens=4, dtype="float32", device="cpu",
+                                    out=tmp_path / "out", progress=False, plots=False))
+    whole = payload["questions"][0]["prompt_tokens"]
+    assert whole > 3 and lengths == [("plain", [3]), ("plain", [whole])]

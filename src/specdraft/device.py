@@ -13,25 +13,26 @@ from specdraft.errors import SpecdraftError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-@lru_cache(maxsize=1)
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
-
-
-def cpu_vendor() -> str:
-    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; empty where there is none)."""
+@lru_cache(maxsize=4)
+def _cpuinfo_field(name: str) -> str:
+    """The value of /proc/cpuinfo's first `name` line (empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return ""
-    line = next((line for line in text.splitlines() if line.startswith("vendor_id")), "")
+    line = next((line for line in text.splitlines() if line.startswith(name)), "")
     return line.partition(":")[2].strip()
+
+
+@lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty where there is none)."""
+    return frozenset(_cpuinfo_field("flags").split())
+
+
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id ("GenuineIntel", "AuthenticAMD"; empty where there is none)."""
+    return _cpuinfo_field("vendor_id")
 
 
 def cpu_has_bf16_units() -> bool:

@@ -11,7 +11,7 @@ plots.py      PNG figures (matplotlib, Agg)
 runner.py     orchestration: load, build each method, warm up, interleave, measure, write
 """
 
-from specdraft.bench.llama_native import cmake_flags
+from specdraft.bench.llama_native import ggml_cpu_flags
 from specdraft.drafters.kinds import DRAFTER_KINDS, MTP_KINDS
 
 # plain decoding a second time, as its own method: identical work, so its speedup over plain in a cell is
@@ -51,6 +51,5 @@ def method_weights(name: str) -> str | None:
 
 
 # The default llama.cpp build crashes on CPUs with AMX; this one does not, and takes every other
-# vector extension this CPU has (bench/llama_native.cmake_flags).
-LLAMA_CPP_BUILD = 'CMAKE_ARGS="{}" pip install llama-cpp-python'.format(
-    " ".join(f for f in cmake_flags() if f.startswith("-DGGML_") and (f.endswith("=ON") or "NATIVE" in f or "AMX" in f)))
+# vector extension this CPU has (bench/llama_native.ggml_cpu_flags).
+LLAMA_CPP_BUILD = f'CMAKE_ARGS="{" ".join(ggml_cpu_flags())}" pip install llama-cpp-python'

@@ -23,15 +23,20 @@ from specdraft.device import cpu_flags
 GGML_CPU_OPTIONS = (("avx512f", "GGML_AVX512"), ("avx512vbmi", "GGML_AVX512_VBMI"),
                     ("avx512_vnni", "GGML_AVX512_VNNI"), ("avx512_bf16", "GGML_AVX512_BF16"),
                     ("avx_vnni", "GGML_AVX_VNNI"))
-COMMON_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF",
-                "-DGGML_AMX_BF16=OFF", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON")
+BUILD_FLAGS = ("-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON")
+
+
+def ggml_cpu_flags(flags: set[str] | frozenset[str] | None = None) -> tuple[str, ...]:
+    """ggml's CPU options for this CPU (or for one with `flags`): not native, AMX off, AVX2, FMA
+    and F16C as llama.cpp's non-native default, each AVX-512 / VNNI extension on where it is there."""
+    have = cpu_flags() if flags is None else flags
+    fixed = ("-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF")
+    return fixed + tuple(f"-D{option}={'ON' if flag in have else 'OFF'}" for flag, option in GGML_CPU_OPTIONS)
 
 
 def cmake_flags(flags: set[str] | frozenset[str] | None = None) -> tuple[str, ...]:
-    """cmake options for a llama.cpp built for this CPU (or for one with `flags`): AVX2, FMA and
-    F16C as llama.cpp's non-native default, plus each AVX-512 / VNNI extension the CPU has."""
-    have = cpu_flags() if flags is None else flags
-    return COMMON_FLAGS + tuple(f"-D{option}={'ON' if flag in have else 'OFF'}" for flag, option in GGML_CPU_OPTIONS)
+    """cmake options for llama.cpp's binaries built for this CPU (or for one with `flags`)."""
+    return BUILD_FLAGS + ggml_cpu_flags(flags)
 
 
 TARGETS = ("llama-server", "llama-bench", "llama-quantize")
